@@ -1,0 +1,160 @@
+//! `c10m-operator`: `run` the controller, print the `crd`, or `plan` a fleet offline.
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::CustomResourceExt;
+
+use c10m_operator::api::ConnectionFleet;
+use c10m_operator::model::{self, NodeFacts};
+use c10m_operator::{nodes, reconcile, table};
+
+#[derive(Parser)]
+#[command(name = "c10m-operator", version, about = "Plans, deploys and scales sharded fleets of connection servers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller against the cluster in KUBECONFIG / in-cluster config.
+    Run {
+        /// Watch only this namespace (default: all namespaces).
+        #[arg(long, env = "C10M_NAMESPACE")]
+        namespace: Option<String>,
+        /// Log format.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "C10M_LOG_FORMAT")]
+        log_format: LogFormat,
+    },
+    /// Print the ConnectionFleet CustomResourceDefinition as YAML.
+    Crd,
+    /// Plan fleets from a manifest without a cluster.
+    Plan {
+        /// Manifest with one or more ConnectionFleet documents ("-" for stdin).
+        #[arg(short = 'f', long = "filename")]
+        file: PathBuf,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+        output: Output,
+        /// Node memory when the manifest has no spec.node.memory (e.g. 256Gi).
+        #[arg(long)]
+        node_memory: Option<String>,
+        /// Node CPUs when the manifest has no spec.node.cpus.
+        #[arg(long)]
+        node_cpus: Option<i64>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    Table,
+    Json,
+    Yaml,
+}
+
+fn read_fleets(file: &PathBuf) -> anyhow::Result<Vec<ConnectionFleet>> {
+    let mut text = String::new();
+    if file.as_os_str() == "-" {
+        std::io::stdin().read_to_string(&mut text)?;
+    } else {
+        text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    }
+    let mut fleets = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+        let value = serde_yaml::Value::deserialize(doc).with_context(|| format!("document {} is not YAML", i + 1))?;
+        if value.is_null() {
+            continue;
+        }
+        if value.get("kind").and_then(|k| k.as_str()) != Some("ConnectionFleet") {
+            continue;
+        }
+        let fleet: ConnectionFleet = serde_yaml::from_value(value)
+            .with_context(|| format!("document {} is not a valid ConnectionFleet", i + 1))?;
+        fleets.push(fleet);
+    }
+    if fleets.is_empty() {
+        bail!("{} holds no ConnectionFleet", file.display());
+    }
+    Ok(fleets)
+}
+
+use serde::Deserialize;
+
+fn plan_offline(file: &PathBuf, output: Output, node_memory: Option<String>, node_cpus: Option<i64>) -> anyhow::Result<()> {
+    let observed = match (node_memory, node_cpus) {
+        (Some(m), Some(c)) => Some(NodeFacts {
+            memory_bytes: nodes::quantity_units(&Quantity(m.clone())).with_context(|| format!("--node-memory {m:?} is not a quantity"))?,
+            cpus: c,
+            pods: nodes::DEFAULT_MAX_PODS,
+        }),
+        (None, None) => None,
+        _ => bail!("--node-memory and --node-cpus go together"),
+    };
+    let mut out = Vec::new();
+    for fleet in read_fleets(file)? {
+        let name = fleet.metadata.name.clone().unwrap_or_else(|| "<unnamed>".into());
+        let node = nodes::resolve(&fleet.spec, observed).with_context(|| format!("fleet {name}"))?;
+        let plan = model::plan(&fleet.spec, node).with_context(|| format!("fleet {name}"))?;
+        out.push((name, fleet.spec.connections, plan));
+    }
+    match output {
+        Output::Table => {
+            for (name, connections, plan) in &out {
+                println!("{}\n", table::plan_table(name, *connections, plan));
+            }
+        }
+        Output::Json if out.len() == 1 => println!("{}", serde_json::to_string_pretty(&out[0].2)?),
+        Output::Json => {
+            let all: serde_json::Map<_, _> = out.iter().map(|(n, _, p)| (n.clone(), serde_json::to_value(p).unwrap())).collect();
+            println!("{}", serde_json::to_string_pretty(&all)?)
+        }
+        Output::Yaml if out.len() == 1 => print!("{}", serde_yaml::to_string(&out[0].2)?),
+        Output::Yaml => {
+            let all: std::collections::BTreeMap<_, _> = out.iter().map(|(n, _, p)| (n.clone(), p)).collect();
+            print!("{}", serde_yaml::to_string(&all)?)
+        }
+    }
+    Ok(())
+}
+
+/// The CRD as YAML, exactly as checked into `crds/`.
+fn crd_yaml() -> anyhow::Result<String> {
+    Ok(format!(
+        "# Generated by `c10m-operator crd`; do not edit (a test fails on drift).\n{}",
+        serde_yaml::to_string(&ConnectionFleet::crd())?
+    ))
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd => {
+            print!("{}", crd_yaml()?);
+            Ok(())
+        }
+        Command::Plan { file, output, node_memory, node_cpus } => plan_offline(&file, output, node_memory, node_cpus),
+        Command::Run { namespace, log_format } => {
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,kube=warn".into());
+            let builder = tracing_subscriber::fmt().with_env_filter(filter);
+            match log_format {
+                LogFormat::Json => builder.json().init(),
+                LogFormat::Text => builder.init(),
+            }
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(async {
+                let client = kube::Client::try_default().await.context("cannot build a Kubernetes client")?;
+                reconcile::run(client, namespace, std::env::var("POD_NAME").ok()).await
+            })
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! Renders a fleet's Deployment, Service and PodDisruptionBudget from its
+//! plan (pure). The objects are complete server-side-apply intents: every
+//! field the operator owns is set here, and nothing else.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, SecurityContext, Service, ServicePort, ServiceSpec, Sysctl,
+    TopologySpreadConstraint, Volume, VolumeMount,
+};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use crate::api::{BackendModel, ConnectionFleet, DEFAULT_SERVER_IMAGE, SysctlMode};
+use crate::model::Plan;
+use crate::sysctl::{self, Scope};
+
+/// Label holding the fleet name on every owned object and pod.
+pub const FLEET_LABEL: &str = "c10m.dev/fleet";
+
+/// Name of the privileged init container that applies sysctls.
+pub const SYSCTL_INIT_CONTAINER: &str = "sysctls";
+
+/// Name of the server container.
+pub const SERVER_CONTAINER: &str = "server";
+
+/// Where the init container sees the host's /proc (to enter the host network
+/// namespace through /host/proc/1/ns/net for node-level sysctls).
+pub const HOST_PROC_MOUNT: &str = "/host/proc";
+
+/// Fraction of the container memory limit given to GOMEMLIMIT for the
+/// goroutine model: 90 %, leaving room for non-heap memory (Go's GC guide
+/// recommends a limit with headroom below the container limit).
+pub const GOMEMLIMIT_PERCENT: i64 = 90;
+
+/// The objects a fleet owns.
+#[derive(Clone, Debug)]
+pub struct Rendered {
+    /// The shards.
+    pub deployment: Deployment,
+    /// The fleet's connection and metrics endpoints.
+    pub service: Service,
+    /// At most one shard disrupted at a time.
+    pub pdb: PodDisruptionBudget,
+}
+
+/// Labels on every object and pod of the fleet `name`.
+pub fn labels(name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "c10m-server".into()),
+        ("app.kubernetes.io/instance".into(), name.into()),
+        ("app.kubernetes.io/managed-by".into(), "c10m-operator".into()),
+        (FLEET_LABEL.into(), name.into()),
+    ])
+}
+
+fn selector(name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([(FLEET_LABEL.into(), name.into())])
+}
+
+fn env(name: &str, value: impl ToString) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.to_string()),
+        ..Default::default()
+    }
+}
+
+/// Renders the fleet's objects for `plan`. `owner` is the fleet's controller
+/// owner reference (so deleting the fleet deletes them).
+pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Rendered {
+    let name = fleet.metadata.name.clone().unwrap_or_default();
+    let meta = ObjectMeta {
+        name: Some(name.clone()),
+        namespace: fleet.metadata.namespace.clone(),
+        labels: Some(labels(&name)),
+        owner_references: Some(vec![owner]),
+        ..Default::default()
+    };
+    let spec = &fleet.spec;
+    let server = &spec.server;
+
+    let mut env_vars = vec![
+        env("C10M_PORT", server.port),
+        env("C10M_METRICS_PORT", server.metrics_port),
+        env("C10M_WORKERS", plan.workers),
+        env("C10M_MAX_CONNECTIONS", plan.shard_connection_limit),
+        env("C10M_NOFILE", plan.nofile),
+        env("C10M_BACKLOG", plan.listen_backlog),
+        env("C10M_PROTOCOL", serde_json::to_value(spec.backend.protocol).unwrap().as_str().unwrap_or("echo")),
+    ];
+    if spec.backend.model == BackendModel::Goroutine {
+        env_vars.push(env("GOMAXPROCS", plan.cpus));
+        env_vars.push(env("GOMEMLIMIT", plan.memory_limit_bytes / 100 * GOMEMLIMIT_PERCENT));
+    }
+    let resources: BTreeMap<String, Quantity> = BTreeMap::from([
+        ("cpu".into(), Quantity(plan.cpus.to_string())),
+        ("memory".into(), Quantity(plan.memory_limit_bytes.to_string())),
+    ]);
+    let health = |initial: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some("/healthz".into()),
+            port: IntOrString::String("metrics".into()),
+            ..Default::default()
+        }),
+        initial_delay_seconds: Some(initial),
+        period_seconds: Some(5),
+        ..Default::default()
+    };
+    let bundled = spec.backend.model == BackendModel::Epoll;
+    let server_container = Container {
+        name: SERVER_CONTAINER.into(),
+        image: Some(server.image.clone()),
+        env: Some(env_vars),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("conn".into()),
+                container_port: server.port,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("metrics".into()),
+                container_port: server.metrics_port,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+        ]),
+        resources: Some(ResourceRequirements {
+            requests: Some(resources.clone()),
+            limits: Some(resources),
+            ..Default::default()
+        }),
+        readiness_probe: Some(health(1)),
+        liveness_probe: Some(health(10)),
+        // The bundled server needs no privilege: it raises its own soft
+        // RLIMIT_NOFILE to the hard limit. Users' images keep their defaults.
+        security_context: bundled.then(|| SecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+
+    let mode = spec.sysctls.mode;
+    let init_containers = (mode == SysctlMode::InitContainer && !plan.sysctls.is_empty())
+        .then(|| vec![sysctl_init_container(spec.sysctls.image.as_deref().unwrap_or(DEFAULT_SERVER_IMAGE), plan)]);
+    let pod_sysctls = (mode == SysctlMode::PodSecurityContext && !plan.sysctls.is_empty()).then(|| PodSecurityContext {
+        sysctls: Some(
+            plan.sysctls
+                .iter()
+                .map(|(n, v)| Sysctl {
+                    name: n.clone(),
+                    value: v.clone(),
+                })
+                .collect(),
+        ),
+        ..Default::default()
+    });
+
+    let pod = PodSpec {
+        init_containers: init_containers.clone(),
+        containers: vec![server_container],
+        volumes: init_containers.map(|_| {
+            vec![Volume {
+                name: "host-proc".into(),
+                host_path: Some(HostPathVolumeSource {
+                    path: "/proc".into(),
+                    type_: Some("Directory".into()),
+                }),
+                ..Default::default()
+            }]
+        }),
+        security_context: pod_sysctls,
+        node_selector: (!spec.placement.node_selector.is_empty()).then(|| spec.placement.node_selector.clone()),
+        tolerations: (!spec.placement.tolerations.is_empty()).then(|| spec.placement.tolerations.clone()),
+        topology_spread_constraints: Some(vec![TopologySpreadConstraint {
+            max_skew: 1,
+            topology_key: "kubernetes.io/hostname".into(),
+            when_unsatisfiable: "ScheduleAnyway".into(),
+            label_selector: Some(LabelSelector {
+                match_labels: Some(selector(&name)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]),
+        termination_grace_period_seconds: Some(30),
+        ..Default::default()
+    };
+
+    let mut pod_annotations = BTreeMap::new();
+    pod_annotations.insert("prometheus.io/scrape".to_string(), "true".to_string());
+    pod_annotations.insert("prometheus.io/port".to_string(), server.metrics_port.to_string());
+    pod_annotations.insert("prometheus.io/path".to_string(), "/metrics".to_string());
+
+    let deployment = Deployment {
+        metadata: meta.clone(),
+        spec: Some(DeploymentSpec {
+            replicas: Some(plan.shards),
+            selector: LabelSelector {
+                match_labels: Some(selector(&name)),
+                ..Default::default()
+            },
+            // One shard at a time and no surge: a surge pod may find no free
+            // CPUs on nodes the plan fills, which would stall the rollout.
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(0)),
+                    max_unavailable: Some(IntOrString::Int(1)),
+                }),
+            }),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels(&name)),
+                    annotations: Some(pod_annotations),
+                    ..Default::default()
+                }),
+                spec: Some(pod),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+
+    let service = Service {
+        metadata: meta.clone(),
+        spec: Some(ServiceSpec {
+            type_: Some(server.service_type.as_str().into()),
+            selector: Some(selector(&name)),
+            ports: Some(vec![
+                ServicePort {
+                    name: Some("conn".into()),
+                    port: server.port,
+                    target_port: Some(IntOrString::String("conn".into())),
+                    protocol: Some("TCP".into()),
+                    ..Default::default()
+                },
+                ServicePort {
+                    name: Some("metrics".into()),
+                    port: server.metrics_port,
+                    target_port: Some(IntOrString::String("metrics".into())),
+                    protocol: Some("TCP".into()),
+                    ..Default::default()
+                },
+            ]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+
+    let pdb = PodDisruptionBudget {
+        metadata: meta,
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(selector(&name)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+
+    Rendered { deployment, service, pdb }
+}
+
+/// The privileged init container: `c10m-sysctl --set` for namespaced
+/// sysctls (inside the pod's netns) and `--raise-node` for node-level ones
+/// (entered through the host's /proc; raise-only, never lowers).
+fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
+    let mut args = vec![format!("--host-proc={HOST_PROC_MOUNT}")];
+    for (name, value) in &plan.sysctls {
+        let flag = match sysctl::scope(name) {
+            Some(Scope::Node) => "--raise-node",
+            _ => "--set",
+        };
+        args.push(format!("{flag}={name}={value}"));
+    }
+    let small: BTreeMap<String, Quantity> = BTreeMap::from([
+        ("cpu".into(), Quantity("100m".into())),
+        ("memory".into(), Quantity("32Mi".into())),
+    ]);
+    Container {
+        name: SYSCTL_INIT_CONTAINER.into(),
+        image: Some(image.into()),
+        command: Some(vec!["c10m-sysctl".into()]),
+        args: Some(args),
+        // requests = limits keeps the pod in the Guaranteed QoS class.
+        resources: Some(ResourceRequirements {
+            requests: Some(small.clone()),
+            limits: Some(small),
+            ..Default::default()
+        }),
+        security_context: Some(SecurityContext {
+            privileged: Some(true),
+            run_as_user: Some(0),
+            run_as_non_root: Some(false),
+            ..Default::default()
+        }),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "host-proc".into(),
+            mount_path: HOST_PROC_MOUNT.into(),
+            read_only: Some(true),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,245 @@
+//! Derives a fleet's next status (conditions, shard counts, plan) from what a
+//! reconcile observed (pure). Conditions use the standard Kubernetes shape;
+//! `lastTransitionTime` moves only when a condition's status flips, so an
+//! unchanged fleet gets a byte-identical status and no write.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+use crate::api::ConnectionFleetStatus;
+use crate::model::{LimitingFactor, Plan};
+
+/// Condition types.
+pub const READY: &str = "Ready";
+/// Condition type: a rollout or scale is under way.
+pub const PROGRESSING: &str = "Progressing";
+/// Condition type: the fleet cannot be what its spec asks.
+pub const DEGRADED: &str = "Degraded";
+/// Condition type: the plan's sysctls are all applied.
+pub const SYSCTLS_APPLIED: &str = "SysctlsApplied";
+
+/// Shard counts read from the fleet's Deployment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Shards {
+    /// `spec.replicas` the operator applied.
+    pub desired: i32,
+    /// `status.readyReplicas`.
+    pub ready: i32,
+    /// `status.updatedReplicas`.
+    pub updated: i32,
+    /// `status.replicas` (all pods, old and new).
+    pub total: i32,
+    /// The Deployment controller has seen the latest Deployment spec.
+    pub observed: bool,
+}
+
+impl Shards {
+    /// Every shard runs the current template and is ready, with none extra.
+    pub fn rolled_out(&self) -> bool {
+        self.observed && self.ready >= self.desired && self.updated >= self.desired && self.total == self.desired
+    }
+}
+
+/// What one reconcile found.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// The spec cannot be planned; `reason` is a PascalCase condition reason.
+    Rejected {
+        /// Condition reason (InvalidSpec, NoNodeProfile, PlanInfeasible).
+        reason: &'static str,
+        /// Human-readable message naming the field to fix.
+        message: String,
+    },
+    /// The plan was made and its objects applied.
+    Applied {
+        /// The plan.
+        plan: Plan,
+        /// Shard counts of the Deployment.
+        shards: Shards,
+    },
+    /// The plan was made but applying its objects failed.
+    ApplyFailed {
+        /// The plan.
+        plan: Plan,
+        /// The API server's error.
+        message: String,
+    },
+}
+
+/// The status after `outcome`, carrying over transition times from `prev`.
+pub fn next_status(
+    prev: Option<&ConnectionFleetStatus>,
+    generation: i64,
+    declared: i64,
+    outcome: &Outcome,
+    now: &Time,
+) -> ConnectionFleetStatus {
+    let mut status = prev.cloned().unwrap_or_default();
+    status.observed_generation = Some(generation);
+    let mut set = |type_: &str, ok: bool, reason: &str, message: String| {
+        set_condition(&mut status.conditions, type_, ok, reason, message, generation, now);
+    };
+    match outcome {
+        Outcome::Rejected { reason, message } => {
+            set(READY, false, reason, message.clone());
+            set(PROGRESSING, false, reason, "waiting for a spec change".into());
+            set(DEGRADED, true, reason, message.clone());
+        }
+        Outcome::ApplyFailed { message, .. } => {
+            set(READY, false, "ApplyFailed", message.clone());
+            set(PROGRESSING, false, "ApplyFailed", "retrying with backoff".into());
+            set(DEGRADED, true, "ApplyFailed", message.clone());
+        }
+        Outcome::Applied { plan, shards } => {
+            let done = shards.rolled_out();
+            let counts = format!("{}/{} shards ready, {} updated", shards.ready, shards.desired, shards.updated);
+            if done {
+                set(READY, true, "ShardsReady", format!("{counts}; the fleet holds up to {} connections", plan.capacity));
+                set(PROGRESSING, false, "RolloutComplete", counts);
+            } else {
+                set(READY, false, "ShardsNotReady", counts.clone());
+                set(PROGRESSING, true, "RollingOut", counts);
+            }
+            if plan.limiting_factor == LimitingFactor::MaxShards {
+                set(
+                    DEGRADED,
+                    true,
+                    "MaxShardsReached",
+                    format!(
+                        "spec.shard.maxShards caps the fleet at {} shards holding {} of {} declared connections",
+                        plan.shards, plan.capacity, declared
+                    ),
+                );
+            } else {
+                set(DEGRADED, false, "AsPlanned", format!("the plan holds {} connections", plan.capacity));
+            }
+        }
+    }
+    match outcome {
+        Outcome::Applied { plan, .. } | Outcome::ApplyFailed { plan, .. } => {
+            if plan.sysctls_not_applied.is_empty() {
+                set_condition(
+                    &mut status.conditions,
+                    SYSCTLS_APPLIED,
+                    true,
+                    "AllApplied",
+                    format!("{} sysctls applied", plan.sysctls.len()),
+                    generation,
+                    now,
+                );
+            } else {
+                set_condition(
+                    &mut status.conditions,
+                    SYSCTLS_APPLIED,
+                    false,
+                    "NotAllowedInMode",
+                    format!(
+                        "not applied under spec.sysctls.mode: {}; listen backlog capped at {}",
+                        plan.sysctls_not_applied.join(", "),
+                        plan.listen_backlog
+                    ),
+                    generation,
+                    now,
+                );
+            }
+            status.desired_shards = plan.shards;
+            status.plan = Some(plan.clone());
+        }
+        Outcome::Rejected { .. } => {}
+    }
+    if let Outcome::Applied { shards, .. } = outcome {
+        status.ready_shards = shards.ready;
+        status.updated_shards = shards.updated;
+    }
+    status
+}
+
+/// Sets condition `type_` in `conditions`, keeping its lastTransitionTime
+/// unless its status flips.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: String,
+    generation: i64,
+    now: &Time,
+) {
+    let status = if ok { "True" } else { "False" }.to_string();
+    let new = |t: Time| Condition {
+        type_: type_.into(),
+        status: status.clone(),
+        reason: reason.into(),
+        message: message.clone(),
+        observed_generation: Some(generation),
+        last_transition_time: t,
+    };
+    match conditions.iter_mut().find(|c| c.type_ == type_) {
+        Some(c) => {
+            let t = if c.status == status { c.last_transition_time.clone() } else { now.clone() };
+            *c = new(t);
+        }
+        None => conditions.push(new(now.clone())),
+    }
+}
+
+/// The condition `type_`, if present.
+pub fn condition<'a>(status: &'a ConnectionFleetStatus, type_: &str) -> Option<&'a Condition> {
+    status.conditions.iter().find(|c| c.type_ == type_)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ConnectionFleetSpec;
+    use crate::model::{NodeFacts, plan};
+
+    fn t(s: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
+    }
+
+    fn a_plan() -> Plan {
+        let spec: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({"connections": 1000000})).unwrap();
+        plan(&spec, NodeFacts { memory_bytes: 256 << 30, cpus: 64, pods: 110 }).unwrap()
+    }
+
+    #[test]
+    fn ready_when_rolled_out_and_times_stay_put() {
+        let p = a_plan();
+        let rolling = Outcome::Applied {
+            plan: p.clone(),
+            shards: Shards { desired: p.shards, ready: 0, updated: p.shards, total: p.shards, observed: true },
+        };
+        let s1 = next_status(None, 1, 1000000, &rolling, &t(10));
+        assert_eq!(condition(&s1, READY).unwrap().status, "False");
+        assert_eq!(condition(&s1, PROGRESSING).unwrap().status, "True");
+        let done = Outcome::Applied {
+            plan: p.clone(),
+            shards: Shards { desired: p.shards, ready: p.shards, updated: p.shards, total: p.shards, observed: true },
+        };
+        let s2 = next_status(Some(&s1), 1, 1000000, &done, &t(20));
+        let ready = condition(&s2, READY).unwrap();
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "ShardsReady"));
+        assert_eq!(ready.last_transition_time, t(20));
+        assert_eq!(condition(&s2, DEGRADED).unwrap().last_transition_time, t(10), "unchanged status keeps its time");
+        let s3 = next_status(Some(&s2), 1, 1000000, &done, &t(30));
+        assert_eq!(s2, s3, "a steady fleet's status does not change");
+        assert_eq!(s3.observed_generation, Some(1));
+        assert_eq!(s3.ready_shards, p.shards);
+    }
+
+    #[test]
+    fn rejection_is_degraded_and_keeps_the_last_plan() {
+        let p = a_plan();
+        let done = Outcome::Applied {
+            plan: p.clone(),
+            shards: Shards { desired: p.shards, ready: p.shards, updated: p.shards, total: p.shards, observed: true },
+        };
+        let s1 = next_status(None, 1, 1, &done, &t(1));
+        let bad = Outcome::Rejected { reason: "InvalidSpec", message: "spec.x is bad".into() };
+        let s2 = next_status(Some(&s1), 2, 1, &bad, &t(2));
+        let d = condition(&s2, DEGRADED).unwrap();
+        assert_eq!((d.status.as_str(), d.reason.as_str(), d.message.as_str()), ("True", "InvalidSpec", "spec.x is bad"));
+        assert_eq!(d.observed_generation, Some(2));
+        assert_eq!(s2.plan, Some(p), "the running plan stays visible");
+    }
+}
