@@ -33,15 +33,62 @@ pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
     shortname = "cfleet",
     namespaced,
     status = "ConnectionFleetStatus",
-    printcolumn(name = "Connections", type_ = "integer", json_path = ".spec.connections", description = "Concurrent connections the fleet must hold"),
-    printcolumn(name = "Shards", type_ = "integer", json_path = ".status.desiredShards", description = "Planned shards"),
-    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyShards", description = "Shards ready"),
-    printcolumn(name = "Live", type_ = "integer", json_path = ".status.liveConnections", description = "Live connections"),
-    printcolumn(name = "Limit", type_ = "string", json_path = ".status.plan.limitingFactor", description = "What limits connections per node"),
-    printcolumn(name = "Nodes", type_ = "integer", json_path = ".status.plan.nodes", priority = 1, description = "Nodes the plan needs"),
-    printcolumn(name = "Per-Shard", type_ = "integer", json_path = ".status.plan.connectionsPerShard", priority = 1, description = "Connections per shard"),
-    printcolumn(name = "Monthly", type_ = "number", json_path = ".status.plan.monthlyCost", priority = 1, description = "Monthly node cost in USD"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Connections",
+        type_ = "integer",
+        json_path = ".spec.connections",
+        description = "Concurrent connections the fleet must hold"
+    ),
+    printcolumn(
+        name = "Shards",
+        type_ = "integer",
+        json_path = ".status.desiredShards",
+        description = "Planned shards"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.readyShards",
+        description = "Shards ready"
+    ),
+    printcolumn(
+        name = "Live",
+        type_ = "integer",
+        json_path = ".status.liveConnections",
+        description = "Live connections"
+    ),
+    printcolumn(
+        name = "Limit",
+        type_ = "string",
+        json_path = ".status.plan.limitingFactor",
+        description = "What limits connections per node"
+    ),
+    printcolumn(
+        name = "Nodes",
+        type_ = "integer",
+        json_path = ".status.plan.nodes",
+        priority = 1,
+        description = "Nodes the plan needs"
+    ),
+    printcolumn(
+        name = "Per-Shard",
+        type_ = "integer",
+        json_path = ".status.plan.connectionsPerShard",
+        priority = 1,
+        description = "Connections per shard"
+    ),
+    printcolumn(
+        name = "Monthly",
+        type_ = "number",
+        json_path = ".status.plan.monthlyCost",
+        priority = 1,
+        description = "Monthly node cost in USD"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ConnectionFleetSpec {
@@ -196,8 +243,7 @@ pub struct NodeProfile {
 
 /// Pattern of a Kubernetes resource quantity without a sign (as controller-gen
 /// emits for `resource.Quantity`, minus the sign).
-pub const QUANTITY_PATTERN: &str =
-    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$";
+pub const QUANTITY_PATTERN: &str = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$";
 
 fn quantity_schema(_: &mut SchemaGenerator) -> Schema {
     json_schema!({
@@ -437,7 +483,8 @@ mod tests {
 
     #[test]
     fn defaults_fill_an_empty_spec() {
-        let spec: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({"connections": 5})).unwrap();
+        let spec: ConnectionFleetSpec =
+            serde_json::from_value(serde_json::json!({"connections": 5})).unwrap();
         assert_eq!(spec.backend.model, BackendModel::Epoll);
         assert_eq!(spec.backend.queued_percent, 10);
         assert_eq!(spec.shard.cpus, 8);
@@ -450,11 +497,17 @@ mod tests {
     #[test]
     fn schema_carries_bounds_and_cel_rules() {
         let s = schema().to_string();
-        assert!(s.contains(r#""maximum":10000000000"#), "connections bound missing");
+        assert!(
+            s.contains(r#""maximum":10000000000"#),
+            "connections bound missing"
+        );
         assert!(s.contains("self.maxShards >= self.minShards"));
         assert!(s.contains("self.model != 'custom' || has(self.userBytesPerConnection)"));
         assert!(s.contains(QUANTITY_PATTERN.replace('\\', "\\\\").as_str()));
-        assert!(s.contains(r#""enum":["epoll","goroutine","custom"]"#), "{s}");
+        assert!(
+            s.contains(r#""enum":["epoll","goroutine","custom"]"#),
+            "{s}"
+        );
     }
 
     #[test]
@@ -475,7 +528,14 @@ mod tests {
         }
         let mut missing = Vec::new();
         let root = schema();
-        walk(&root["openAPIV3Schema"]["properties"]["spec"], "spec", &mut missing);
-        assert!(missing.is_empty(), "fields without description: {missing:?}");
+        walk(
+            &root["openAPIV3Schema"]["properties"]["spec"],
+            "spec",
+            &mut missing,
+        );
+        assert!(
+            missing.is_empty(),
+            "fields without description: {missing:?}"
+        );
     }
 }

@@ -7,13 +7,18 @@ use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResourceExt;
+use serde::Deserialize;
 
 use c10m_operator::api::ConnectionFleet;
 use c10m_operator::model::{self, NodeFacts};
 use c10m_operator::{nodes, reconcile, table};
 
 #[derive(Parser)]
-#[command(name = "c10m-operator", version, about = "Plans, deploys and scales sharded fleets of connection servers")]
+#[command(
+    name = "c10m-operator",
+    version,
+    about = "Plans, deploys and scales sharded fleets of connection servers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -67,11 +72,13 @@ fn read_fleets(file: &PathBuf) -> anyhow::Result<Vec<ConnectionFleet>> {
     if file.as_os_str() == "-" {
         std::io::stdin().read_to_string(&mut text)?;
     } else {
-        text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+        text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
     }
     let mut fleets = Vec::new();
     for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-        let value = serde_yaml::Value::deserialize(doc).with_context(|| format!("document {} is not YAML", i + 1))?;
+        let value = serde_yaml::Value::deserialize(doc)
+            .with_context(|| format!("document {} is not YAML", i + 1))?;
         if value.is_null() {
             continue;
         }
@@ -88,12 +95,16 @@ fn read_fleets(file: &PathBuf) -> anyhow::Result<Vec<ConnectionFleet>> {
     Ok(fleets)
 }
 
-use serde::Deserialize;
-
-fn plan_offline(file: &PathBuf, output: Output, node_memory: Option<String>, node_cpus: Option<i64>) -> anyhow::Result<()> {
+fn plan_offline(
+    file: &PathBuf,
+    output: Output,
+    node_memory: Option<String>,
+    node_cpus: Option<i64>,
+) -> anyhow::Result<()> {
     let observed = match (node_memory, node_cpus) {
         (Some(m), Some(c)) => Some(NodeFacts {
-            memory_bytes: nodes::quantity_units(&Quantity(m.clone())).with_context(|| format!("--node-memory {m:?} is not a quantity"))?,
+            memory_bytes: nodes::quantity_units(&Quantity(m.clone()))
+                .with_context(|| format!("--node-memory {m:?} is not a quantity"))?,
             cpus: c,
             pods: nodes::DEFAULT_MAX_PODS,
         }),
@@ -102,8 +113,13 @@ fn plan_offline(file: &PathBuf, output: Output, node_memory: Option<String>, nod
     };
     let mut out = Vec::new();
     for fleet in read_fleets(file)? {
-        let name = fleet.metadata.name.clone().unwrap_or_else(|| "<unnamed>".into());
-        let node = nodes::resolve(&fleet.spec, observed).with_context(|| format!("fleet {name}"))?;
+        let name = fleet
+            .metadata
+            .name
+            .clone()
+            .unwrap_or_else(|| "<unnamed>".into());
+        let node =
+            nodes::resolve(&fleet.spec, observed).with_context(|| format!("fleet {name}"))?;
         let plan = model::plan(&fleet.spec, node).with_context(|| format!("fleet {name}"))?;
         out.push((name, fleet.spec.connections, plan));
     }
@@ -115,12 +131,16 @@ fn plan_offline(file: &PathBuf, output: Output, node_memory: Option<String>, nod
         }
         Output::Json if out.len() == 1 => println!("{}", serde_json::to_string_pretty(&out[0].2)?),
         Output::Json => {
-            let all: serde_json::Map<_, _> = out.iter().map(|(n, _, p)| (n.clone(), serde_json::to_value(p).unwrap())).collect();
+            let all: serde_json::Map<_, _> = out
+                .iter()
+                .map(|(n, _, p)| (n.clone(), serde_json::to_value(p).unwrap()))
+                .collect();
             println!("{}", serde_json::to_string_pretty(&all)?)
         }
         Output::Yaml if out.len() == 1 => print!("{}", serde_yaml::to_string(&out[0].2)?),
         Output::Yaml => {
-            let all: std::collections::BTreeMap<_, _> = out.iter().map(|(n, _, p)| (n.clone(), p)).collect();
+            let all: std::collections::BTreeMap<_, _> =
+                out.iter().map(|(n, _, p)| (n.clone(), p)).collect();
             print!("{}", serde_yaml::to_string(&all)?)
         }
     }
@@ -135,16 +155,34 @@ fn crd_yaml() -> anyhow::Result<String> {
     ))
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Crd => {
             print!("{}", crd_yaml()?);
             Ok(())
         }
-        Command::Plan { file, output, node_memory, node_cpus } => plan_offline(&file, output, node_memory, node_cpus),
-        Command::Run { namespace, log_format } => {
-            let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,kube=warn".into());
+        Command::Plan {
+            file,
+            output,
+            node_memory,
+            node_cpus,
+        } => plan_offline(&file, output, node_memory, node_cpus),
+        Command::Run {
+            namespace,
+            log_format,
+        } => {
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into());
             let builder = tracing_subscriber::fmt().with_env_filter(filter);
             match log_format {
                 LogFormat::Json => builder.json().init(),
@@ -152,7 +190,9 @@ fn main() -> anyhow::Result<()> {
             }
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async {
-                let client = kube::Client::try_default().await.context("cannot build a Kubernetes client")?;
+                let client = kube::Client::try_default()
+                    .await
+                    .context("cannot build a Kubernetes client")?;
                 reconcile::run(client, namespace, std::env::var("POD_NAME").ok()).await
             })
         }

@@ -51,17 +51,22 @@ pub const EPOLL_USER_BYTES: i64 = 64;
 /// runtime's heap arenas and stacks fit too.
 pub const PROCESS_BASE_BYTES: i64 = 64 << 20;
 
-/// File descriptors a shard needs besides connections: 64 for stdio, logs,
-/// the metrics listener and epoll instances, plus 2 per worker (its
-/// SO_REUSEPORT listener and its epoll fd).
+/// File descriptors a shard needs besides connections: the bundled server
+/// keeps 32 + 4 per worker (stdio, admin listener, listener + epoll + waker +
+/// spare fd per worker; server-image/src/limits.rs), plus 32 slack for other
+/// servers.
 pub fn fd_reserve(workers: i64) -> i64 {
-    64 + 2 * workers
+    64 + 4 * workers
 }
 
 /// Hard RLIMIT_NOFILE a container inherits when the node doesn't say:
 /// containerd 2.x's unit sets no LimitNOFILE, so pods get systemd's default
 /// hard limit 524,288 (KERNEL_FACTS.md, [source] containerd issues).
 pub const DEFAULT_NOFILE_HARD_LIMIT: i64 = 524_288;
+
+/// Largest `fs.nr_open` the kernel accepts on 64-bit (fs/file.c
+/// `sysctl_nr_open_max`; writes above it fail with EINVAL).
+pub const NR_OPEN_MAX: i64 = 1_073_741_816;
 
 /// Kernel default of `fs.nr_open` (KERNEL_FACTS.md; `sysctl_nr_open` = 1024 × 1024 in fs/file.c).
 pub const DEFAULT_NR_OPEN: i64 = 1_048_576;
@@ -228,6 +233,29 @@ pub enum PlanError {
     Infeasible(String),
 }
 
+/// Most file descriptors one shard process can get. The bundled server in
+/// InitContainer mode holds CAP_SYS_RESOURCE and raises its hard
+/// RLIMIT_NOFILE itself, up to `fs.nr_open`, which the init container raises:
+/// its ceiling is [`NR_OPEN_MAX`]. Any other server keeps the hard limit of the
+/// node's container runtime (`spec.node.nofileHardLimit`, default
+/// [`DEFAULT_NOFILE_HARD_LIMIT`]).
+pub fn nofile_ceiling(spec: &ConnectionFleetSpec) -> i64 {
+    if raises_own_nofile(spec) {
+        NR_OPEN_MAX
+    } else {
+        spec.node
+            .as_ref()
+            .and_then(|n| n.nofile_hard_limit)
+            .unwrap_or(DEFAULT_NOFILE_HARD_LIMIT)
+    }
+}
+
+/// True when the shard server raises its own hard RLIMIT_NOFILE (the bundled
+/// server, given CAP_SYS_RESOURCE in InitContainer mode).
+pub fn raises_own_nofile(spec: &ConnectionFleetSpec) -> bool {
+    spec.backend.model == BackendModel::Epoll && spec.sysctls.mode == SysctlMode::InitContainer
+}
+
 /// Resolved inputs of the model.
 #[derive(Clone, Debug)]
 struct Inputs {
@@ -260,7 +288,10 @@ impl Inputs {
 
     /// Memory limit of a shard container with cap `l`, rounded up to MiB.
     fn memory_limit(&self, l: i64) -> i64 {
-        round_up(PROCESS_BASE_BYTES + l * (self.user + self.kernel_pod), 1 << 20)
+        round_up(
+            PROCESS_BASE_BYTES + l * (self.user + self.kernel_pod),
+            1 << 20,
+        )
     }
 
     /// Node bytes one shard with cap `l` uses: its container limit plus the
@@ -272,7 +303,12 @@ impl Inputs {
     /// Constraints violated by `s` shards per node of `n` declared connections
     /// each, in the order they are reported as the limiting factor. With
     /// `sysctls`, raisable node limits are checked against those values.
-    fn violations(&self, n: i64, s: i64, sysctls: Option<&BTreeMap<String, String>>) -> Vec<LimitingFactor> {
+    fn violations(
+        &self,
+        n: i64,
+        s: i64,
+        sysctls: Option<&BTreeMap<String, String>>,
+    ) -> Vec<LimitingFactor> {
         let l = self.cap(n);
         let mut v = Vec::new();
         let (pressure, conntrack_max, file_max, nr_open) = self.node_limits(sysctls);
@@ -286,10 +322,13 @@ impl Inputs {
             v.push(LimitingFactor::TcpMem);
         }
         let nofile = l + self.fd_reserve;
-        if nofile > self.nofile_hard || nofile > nr_open || file_max.is_some_and(|f| s * nofile > f) {
+        if nofile > self.nofile_hard || nofile > nr_open || file_max.is_some_and(|f| s * nofile > f)
+        {
             v.push(LimitingFactor::Nofile);
         }
-        if self.connections_per_cpu.is_some_and(|c| l > c * self.cpus) || s * self.cpus > self.node.cpus {
+        if self.connections_per_cpu.is_some_and(|c| l > c * self.cpus)
+            || s * self.cpus > self.node.cpus
+        {
             v.push(LimitingFactor::Cpu);
         }
         if self.tracked
@@ -307,7 +346,10 @@ impl Inputs {
     /// Node-wide limits to check: (tcp_mem pressure, conntrack max, file-max,
     /// nr_open). A `None` limit is raised by the plan to fit and not checked
     /// while planning; with the plan's `sysctls` every limit is checked.
-    fn node_limits(&self, sysctls: Option<&BTreeMap<String, String>>) -> (Option<i64>, Option<i64>, Option<i64>, i64) {
+    fn node_limits(
+        &self,
+        sysctls: Option<&BTreeMap<String, String>>,
+    ) -> (Option<i64>, Option<i64>, Option<i64>, i64) {
         let get = |name: &str, idx: usize, default: i64| -> i64 {
             sysctls
                 .and_then(|m| m.get(name))
@@ -324,7 +366,12 @@ impl Inputs {
                 get("fs.nr_open", 0, DEFAULT_NR_OPEN),
             ),
             None if self.raise_node_sysctls => (None, None, None, i64::MAX),
-            None => (Some(d.tcp_mem[1]), Some(d.conntrack_max), Some(d.file_max), DEFAULT_NR_OPEN),
+            None => (
+                Some(d.tcp_mem[1]),
+                Some(d.conntrack_max),
+                Some(d.file_max),
+                DEFAULT_NR_OPEN,
+            ),
         }
     }
 
@@ -355,11 +402,14 @@ fn round_up(a: i64, unit: i64) -> i64 {
 pub fn user_bytes(spec: &ConnectionFleetSpec) -> Result<i64, PlanError> {
     match (spec.backend.model, spec.backend.user_bytes_per_connection) {
         (_, Some(b)) if b >= 0 => Ok(b),
-        (_, Some(b)) => Err(PlanError::Invalid(format!("spec.backend.userBytesPerConnection must be >= 0, got {b}"))),
+        (_, Some(b)) => Err(PlanError::Invalid(format!(
+            "spec.backend.userBytesPerConnection must be >= 0, got {b}"
+        ))),
         (BackendModel::Epoll, None) => Ok(EPOLL_USER_BYTES),
         (BackendModel::Goroutine, None) => Ok(GOROUTINE_USER_BYTES),
         (BackendModel::Custom, None) => Err(PlanError::Invalid(
-            "spec.backend.userBytesPerConnection is required when spec.backend.model is custom".into(),
+            "spec.backend.userBytesPerConnection is required when spec.backend.model is custom"
+                .into(),
         )),
     }
 }
@@ -382,7 +432,10 @@ pub fn price_per_hour(spec: &ConnectionFleetSpec) -> Result<Option<f64>, PlanErr
 pub fn validate(spec: &ConnectionFleetSpec) -> Result<(), PlanError> {
     let bad = |m: String| Err(PlanError::Invalid(m));
     if !(1..=crate::api::MAX_CONNECTIONS).contains(&spec.connections) {
-        return bad(format!("spec.connections must be 1..=10000000000, got {}", spec.connections));
+        return bad(format!(
+            "spec.connections must be 1..=10000000000, got {}",
+            spec.connections
+        ));
     }
     user_bytes(spec)?;
     price_per_hour(spec)?;
@@ -391,7 +444,10 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<(), PlanError> {
         return bad(format!("spec.shard.cpus must be >= 1, got {}", sh.cpus));
     }
     if !(0..=90).contains(&sh.headroom_percent) {
-        return bad(format!("spec.shard.headroomPercent must be 0..=90, got {}", sh.headroom_percent));
+        return bad(format!(
+            "spec.shard.headroomPercent must be 0..=90, got {}",
+            sh.headroom_percent
+        ));
     }
     if sh.min_shards < 1 || sh.max_shards < sh.min_shards {
         return bad(format!(
@@ -400,10 +456,16 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<(), PlanError> {
         ));
     }
     if !(0..=100).contains(&spec.backend.queued_percent) {
-        return bad(format!("spec.backend.queuedPercent must be 0..=100, got {}", spec.backend.queued_percent));
+        return bad(format!(
+            "spec.backend.queuedPercent must be 0..=100, got {}",
+            spec.backend.queued_percent
+        ));
     }
     if spec.server.port == spec.server.metrics_port {
-        return bad(format!("spec.server.metricsPort must differ from spec.server.port ({})", spec.server.port));
+        return bad(format!(
+            "spec.server.metricsPort must differ from spec.server.port ({})",
+            spec.server.port
+        ));
     }
     for name in &spec.sysctls.allowed_unsafe {
         if crate::sysctl::scope(name) != Some(crate::sysctl::Scope::Namespaced) {
@@ -432,16 +494,14 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
             node.cpus
         )));
     }
-    // Pick shards per node maximising connections per node; ties go to more,
-    // smaller shards (a smaller blast radius per pod).
+    // Fill each node's CPUs (and pod slots) with shards; fewer per node only
+    // when memory cannot hold that many shards' base.
     let slots = (node.cpus / cpus).min(node.pods);
-    let (mut per_node_shards, mut per_shard) = (0i64, 0i64);
-    for s in 1..=slots {
-        let n = inputs.max_per_shard(s);
-        if n > 0 && s * n >= per_node_shards * per_shard {
-            (per_node_shards, per_shard) = (s, n);
-        }
-    }
+    let (per_node_shards, per_shard) = (1..=slots)
+        .rev()
+        .map(|s| (s, inputs.max_per_shard(s)))
+        .find(|&(_, n)| n > 0)
+        .unwrap_or((0, 0));
     if per_shard == 0 {
         return Err(PlanError::Infeasible(format!(
             "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory or lower spec.shard.cpus",
@@ -520,7 +580,9 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     // Self-check: a plan that breaks one of its own constraints is never returned.
     let violated = check(spec, &plan);
     if !violated.is_empty() {
-        return Err(PlanError::Infeasible(format!("internal: plan violates {violated:?}; please report this spec")));
+        return Err(PlanError::Infeasible(format!(
+            "internal: plan violates {violated:?}; please report this spec"
+        )));
     }
     Ok(plan)
 }
@@ -540,32 +602,271 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
     let Ok(inputs) = Inputs::new(spec, node) else {
         return vec![];
     };
-    inputs.violations(plan.connections_per_shard, plan.shards_per_node as i64, Some(&plan.sysctls))
+    inputs.violations(
+        plan.connections_per_shard,
+        plan.shards_per_node as i64,
+        Some(&plan.sysctls),
+    )
 }
 
 impl Inputs {
     /// Resolves the model's inputs from the spec (model defaults for unset fields).
     fn new(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Inputs, PlanError> {
-    let node_profile = spec.node.clone().unwrap_or_default();
-    let tracked = node_profile.conntrack.unwrap_or(true);
-    let kernel_socket = node_profile.kernel_bytes_per_socket.unwrap_or(KERNEL_BYTES_PER_SOCKET);
-    let queued_bytes = ceil_div(spec.backend.queued_percent as i64 * PAGE_BYTES, 100);
-    let cpus = spec.shard.cpus as i64;
-    Ok(Inputs {
-        connections: spec.connections,
-        user: user_bytes(spec)?,
-        kernel_node: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 } + queued_bytes,
-        kernel_pod: kernel_socket.min(CGROUP_KERNEL_BYTES_PER_SOCKET) + queued_bytes,
-        headroom: spec.shard.headroom_percent as i64,
-        cpus,
-        fd_reserve: fd_reserve(cpus),
-        nofile_hard: node_profile.nofile_hard_limit.unwrap_or(DEFAULT_NOFILE_HARD_LIMIT),
-        connections_per_cpu: spec.backend.connections_per_cpu,
-        queued_percent: spec.backend.queued_percent as i64,
-        tracked,
-        raise_node_sysctls: spec.sysctls.mode == SysctlMode::InitContainer,
-        node,
-        defaults: KernelDefaults::for_node(node.memory_bytes, node.cpus),
-    })
+        let node_profile = spec.node.clone().unwrap_or_default();
+        let tracked = node_profile.conntrack.unwrap_or(true);
+        let kernel_socket = node_profile
+            .kernel_bytes_per_socket
+            .unwrap_or(KERNEL_BYTES_PER_SOCKET);
+        let queued_bytes = ceil_div(spec.backend.queued_percent as i64 * PAGE_BYTES, 100);
+        let cpus = spec.shard.cpus as i64;
+        Ok(Inputs {
+            connections: spec.connections,
+            user: user_bytes(spec)?,
+            kernel_node: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 } + queued_bytes,
+            kernel_pod: kernel_socket.min(CGROUP_KERNEL_BYTES_PER_SOCKET) + queued_bytes,
+            headroom: spec.shard.headroom_percent as i64,
+            cpus,
+            fd_reserve: fd_reserve(cpus),
+            nofile_hard: nofile_ceiling(spec),
+            connections_per_cpu: spec.backend.connections_per_cpu,
+            queued_percent: spec.backend.queued_percent as i64,
+            tracked,
+            raise_node_sysctls: spec.sysctls.mode == SysctlMode::InitContainer,
+            node,
+            defaults: KernelDefaults::for_node(node.memory_bytes, node.cpus),
+        })
+    }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sysctl;
+    use proptest::prelude::*;
+
+    const NODE: NodeFacts = NodeFacts {
+        memory_bytes: 256 << 30,
+        cpus: 64,
+        pods: 110,
+    };
+
+    fn spec(v: serde_json::Value) -> ConnectionFleetSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn epoll_10m_on_64_cpu_256_gib_is_memory_bound() {
+        let s =
+            spec(serde_json::json!({"connections": 10_000_000, "node": {"pricePerHour": "2.59"}}));
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::Memory);
+        assert_eq!(p.bytes_per_connection.user, EPOLL_USER_BYTES);
+        // 3965 socket + 256 conntrack + 10 % × 4096 queued page share.
+        assert_eq!(p.bytes_per_connection.kernel, 3965 + 256 + 410);
+        assert_eq!(p.shards_per_node, 2);
+        assert_eq!(p.nodes, 1);
+        assert_eq!(p.shards as i64 * p.connections_per_shard, 10_000_000);
+        assert_eq!(p.shard_connection_limit, 6_250_000);
+        assert_eq!(p.nofile, 6_250_000 + fd_reserve(8));
+        assert_eq!(p.sysctls["fs.nr_open"], p.nofile.to_string());
+        assert_eq!(p.sysctls["net.core.somaxconn"], "65535");
+        assert_eq!(p.monthly_cost, Some(1890.70));
+        // Node capacity at 80 % of 256 GiB ÷ 4,695 B ≈ 46.8M connections.
+        let expect = (256u64 << 30) as f64 * 0.8 / 4695.0;
+        assert!(
+            (p.connections_per_node as f64 - expect).abs() / expect < 0.01,
+            "{}",
+            p.connections_per_node
+        );
+    }
+
+    #[test]
+    fn goroutine_is_bounded_by_the_runtime_nofile_limit() {
+        let s =
+            spec(serde_json::json!({"connections": 10_000_000, "backend": {"model": "goroutine"}}));
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::Nofile);
+        assert!(p.nofile <= DEFAULT_NOFILE_HARD_LIMIT);
+        assert_eq!(p.shards_per_node, 8);
+        assert_eq!(p.nodes, 3);
+        assert!(!p.sysctls.contains_key("fs.nr_open"));
+    }
+
+    #[test]
+    fn custom_needs_user_bytes() {
+        let s = spec(serde_json::json!({"connections": 10, "backend": {"model": "custom"}}));
+        let err = plan(&s, NODE).unwrap_err().to_string();
+        assert!(err.contains("spec.backend.userBytesPerConnection"), "{err}");
+        let s = spec(
+            serde_json::json!({"connections": 10, "backend": {"model": "custom", "userBytesPerConnection": 1000}}),
+        );
+        assert_eq!(plan(&s, NODE).unwrap().bytes_per_connection.user, 1000);
+    }
+
+    #[test]
+    fn max_shards_caps_and_reports() {
+        let s = spec(
+            serde_json::json!({"connections": 10_000_000, "backend": {"model": "goroutine"}, "shard": {"maxShards": 4}}),
+        );
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
+        assert_eq!(p.shards, 4);
+        assert!(p.capacity < 10_000_000);
+    }
+
+    #[test]
+    fn pod_security_context_mode_keeps_node_defaults_and_reports_unsafe() {
+        let s = spec(
+            serde_json::json!({"connections": 2_000_000, "sysctls": {"mode": "PodSecurityContext"}}),
+        );
+        let p = plan(&s, NODE).unwrap();
+        assert!(p.sysctls.is_empty(), "{:?}", p.sysctls);
+        assert_eq!(
+            p.sysctls_not_applied,
+            vec![
+                "net.core.somaxconn",
+                "net.ipv4.tcp_max_syn_backlog",
+                "net.ipv4.tcp_migrate_req"
+            ]
+        );
+        assert_eq!(p.listen_backlog, DEFAULT_SOMAXCONN);
+        // Without raising sysctls, the default conntrack table (1,048,576) binds.
+        assert_eq!(p.limiting_factor, LimitingFactor::Conntrack);
+        let s = spec(
+            serde_json::json!({"connections": 2_000_000, "sysctls": {"mode": "PodSecurityContext", "allowedUnsafe": ["net.core.somaxconn"]}}),
+        );
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(
+            p.sysctls.get("net.core.somaxconn").map(String::as_str),
+            Some("65535")
+        );
+        assert_eq!(p.listen_backlog, LISTEN_BACKLOG);
+        let s = spec(
+            serde_json::json!({"connections": 1, "sysctls": {"mode": "PodSecurityContext", "allowedUnsafe": ["net.ipv4.tcp_mem"]}}),
+        );
+        assert!(
+            plan(&s, NODE)
+                .unwrap_err()
+                .to_string()
+                .contains("spec.sysctls.allowedUnsafe")
+        );
+    }
+
+    #[test]
+    fn tcp_mem_binds_when_it_cannot_be_raised() {
+        let s = spec(
+            serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100},
+            "node": {"conntrack": false}, "sysctls": {"mode": "None"}}),
+        );
+        let small = NodeFacts {
+            memory_bytes: 8 << 30,
+            cpus: 64,
+            pods: 110,
+        };
+        let p = plan(&s, small).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::TcpMem);
+        // Raised instead in InitContainer mode.
+        let s = spec(
+            serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100}, "node": {"conntrack": false}}),
+        );
+        let p = plan(&s, small).unwrap();
+        assert!(p.sysctls.contains_key("net.ipv4.tcp_mem"));
+        assert_ne!(p.limiting_factor, LimitingFactor::TcpMem);
+    }
+
+    #[test]
+    fn cpu_binds_with_a_per_cpu_rate() {
+        let s = spec(
+            serde_json::json!({"connections": 1_000_000, "backend": {"connectionsPerCpu": 10000}}),
+        );
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::Cpu);
+        assert!(p.shard_connection_limit <= 80_000);
+    }
+
+    #[test]
+    fn infeasible_shard_is_an_error_naming_the_field() {
+        let s = spec(serde_json::json!({"connections": 10, "shard": {"cpus": 128}}));
+        assert!(
+            plan(&s, NODE)
+                .unwrap_err()
+                .to_string()
+                .contains("spec.shard.cpus")
+        );
+    }
+
+    fn arb_spec() -> impl Strategy<Value = (ConnectionFleetSpec, NodeFacts)> {
+        (
+            1i64..=2_000_000_000,
+            prop_oneof![Just("epoll"), Just("goroutine"), Just("custom")],
+            0i64..=200_000,
+            0i32..=100,
+            prop_oneof![Just(1), Just(2), Just(4), Just(8), Just(16)],
+            0i32..=90,
+            prop_oneof![Just("InitContainer"), Just("PodSecurityContext"), Just("None")],
+            any::<bool>(),
+            (1i64..=1024, 4i64..=1024, 1i32..=200),
+        )
+            .prop_map(|(c, model, user, queued, cpus, headroom, mode, tracked, (gib, ncpu, min_shards))| {
+                let s = spec(serde_json::json!({
+                    "connections": c,
+                    "backend": {"model": model, "userBytesPerConnection": user, "queuedPercent": queued},
+                    "node": {"conntrack": tracked},
+                    "shard": {"cpus": cpus, "headroomPercent": headroom, "minShards": min_shards, "maxShards": 100000},
+                    "sysctls": {"mode": mode},
+                }));
+                (s, NodeFacts { memory_bytes: gib << 30, cpus: ncpu.max(cpus as i64), pods: 110 })
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn every_constraint_holds_and_sysctls_only_raise((s, node) in arb_spec()) {
+            let Ok(p) = plan(&s, node) else { return Ok(()); };
+            prop_assert!(check(&s, &p).is_empty(), "violations {:?}", check(&s, &p));
+            prop_assert!(p.shards as i64 * p.connections_per_shard >= s.connections.min(p.capacity));
+            prop_assert!(p.shards >= s.shard.min_shards);
+            prop_assert!(p.shards_per_node as i64 * p.cpus as i64 <= node.cpus);
+            prop_assert!(p.nofile <= nofile_ceiling(&s));
+            let defaults = KernelDefaults::for_node(node.memory_bytes, node.cpus);
+            for (name, value) in &p.sysctls {
+                let d = sysctl::default_value(name, &defaults).unwrap();
+                prop_assert!(sysctl::is_raise(value, &d), "{name}={value} does not raise {d}");
+            }
+            // Headroom: at the declared load each shard uses at most (100 − h) % of its cap.
+            prop_assert!(p.connections_per_shard * 100 <= p.shard_connection_limit * (100 - s.shard.headroom_percent as i64));
+        }
+
+        #[test]
+        fn limiting_factor_is_the_one_that_binds((s, node) in arb_spec()) {
+            let Ok(p) = plan(&s, node) else { return Ok(()); };
+            if p.limiting_factor == LimitingFactor::MaxShards { return Ok(()); }
+            // One more connection per shard at the node's full packing breaks the named limit.
+            let inputs = Inputs::new(&s, node).unwrap();
+            let per_shard = p.capacity / p.shards as i64;
+            let v = inputs.violations(per_shard + 1, p.connections_per_node / per_shard, None);
+            prop_assert_eq!(v.first().copied(), Some(p.limiting_factor));
+        }
+
+        #[test]
+        fn shards_never_decrease_as_connections_grow((s, node) in arb_spec(), extra in 0i64..1_000_000_000) {
+            let Ok(a) = plan(&s, node) else { return Ok(()); };
+            let mut bigger = s.clone();
+            bigger.connections = (s.connections + extra).min(crate::api::MAX_CONNECTIONS);
+            let b = plan(&bigger, node).unwrap();
+            prop_assert!(b.shards >= a.shards);
+            prop_assert!(b.nodes >= a.nodes);
+        }
+
+        #[test]
+        fn shards_never_decrease_as_bytes_grow((s, node) in arb_spec(), extra in 0i64..100_000) {
+            let Ok(a) = plan(&s, node) else { return Ok(()); };
+            let mut heavier = s.clone();
+            heavier.backend.user_bytes_per_connection = Some(a.bytes_per_connection.user + extra);
+            let Ok(b) = plan(&heavier, node) else { return Ok(()); };
+            prop_assert!(b.shards >= a.shards, "{} < {}", b.shards, a.shards);
+        }
+    }
 }

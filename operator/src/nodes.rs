@@ -28,7 +28,10 @@ pub fn smallest_allocatable(nodes: &[Node]) -> Option<NodeFacts> {
             Some(NodeFacts {
                 memory_bytes: quantity_units(alloc.get("memory")?)?,
                 cpus: quantity_units(alloc.get("cpu")?)?,
-                pods: alloc.get("pods").and_then(quantity_units).unwrap_or(DEFAULT_MAX_PODS),
+                pods: alloc
+                    .get("pods")
+                    .and_then(quantity_units)
+                    .unwrap_or(DEFAULT_MAX_PODS),
             })
         })
         .min_by_key(|f| (f.memory_bytes, f.cpus))
@@ -36,11 +39,17 @@ pub fn smallest_allocatable(nodes: &[Node]) -> Option<NodeFacts> {
 
 /// Node profile for the spec: each `spec.node` field wins, the observed
 /// node fills the rest. Errors name the fields to set when neither has a value.
-pub fn resolve(spec: &ConnectionFleetSpec, observed: Option<NodeFacts>) -> Result<NodeFacts, PlanError> {
+pub fn resolve(
+    spec: &ConnectionFleetSpec,
+    observed: Option<NodeFacts>,
+) -> Result<NodeFacts, PlanError> {
     let profile = spec.node.clone().unwrap_or_default();
     let memory = match &profile.memory {
         Some(q) => Some(quantity_units(q).ok_or_else(|| {
-            PlanError::Invalid(format!("spec.node.memory: {:?} is not a valid quantity", q.0))
+            PlanError::Invalid(format!(
+                "spec.node.memory: {:?} is not a valid quantity",
+                q.0
+            ))
         })?),
         None => observed.map(|o| o.memory_bytes),
     };
@@ -52,13 +61,23 @@ pub fn resolve(spec: &ConnectionFleetSpec, observed: Option<NodeFacts>) -> Resul
         )));
     };
     if memory_bytes < 64 << 20 {
-        return Err(PlanError::Invalid(format!("spec.node.memory must be at least 64Mi, got {memory_bytes} bytes")));
+        return Err(PlanError::Invalid(format!(
+            "spec.node.memory must be at least 64Mi, got {memory_bytes} bytes"
+        )));
     }
     if cpus < 1 {
         return Err(PlanError::Invalid("node CPUs must be at least 1".into()));
     }
-    let pods = profile.pods.map(i64::from).or(observed.map(|o| o.pods)).unwrap_or(DEFAULT_MAX_PODS);
-    Ok(NodeFacts { memory_bytes, cpus, pods })
+    let pods = profile
+        .pods
+        .map(i64::from)
+        .or(observed.map(|o| o.pods))
+        .unwrap_or(DEFAULT_MAX_PODS);
+    Ok(NodeFacts {
+        memory_bytes,
+        cpus,
+        pods,
+    })
 }
 
 #[cfg(test)]
@@ -86,13 +105,25 @@ mod tests {
     fn smallest_node_wins_and_spec_overrides() {
         let nodes = vec![node("256Gi", "64"), node("128Gi", "32")];
         let obs = smallest_allocatable(&nodes).unwrap();
-        assert_eq!(obs, NodeFacts { memory_bytes: 128 << 30, cpus: 32, pods: 110 });
-        let mut spec: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({"connections": 1, "node": {"cpus": 16}})).unwrap();
+        assert_eq!(
+            obs,
+            NodeFacts {
+                memory_bytes: 128 << 30,
+                cpus: 32,
+                pods: 110
+            }
+        );
+        let mut spec: ConnectionFleetSpec =
+            serde_json::from_value(serde_json::json!({"connections": 1, "node": {"cpus": 16}}))
+                .unwrap();
         let r = resolve(&spec, Some(obs)).unwrap();
         assert_eq!((r.memory_bytes, r.cpus), (128 << 30, 16));
         spec.node = None;
         spec.placement.node_selector = BTreeMap::from([("pool".into(), "edge".into())]);
         let err = resolve(&spec, None).unwrap_err().to_string();
-        assert!(err.contains("spec.placement.nodeSelector") && err.contains("pool"), "{err}");
+        assert!(
+            err.contains("spec.placement.nodeSelector") && err.contains("pool"),
+            "{err}"
+        );
     }
 }

@@ -96,7 +96,10 @@ where
 }
 
 /// Node profile for the fleet: nodes matching its nodeSelector, then spec overrides.
-async fn node_facts(client: &Client, fleet: &ConnectionFleet) -> Result<Result<model::NodeFacts, PlanError>, Error> {
+async fn node_facts(
+    client: &Client,
+    fleet: &ConnectionFleet,
+) -> Result<Result<model::NodeFacts, PlanError>, Error> {
     let spec_complete = fleet
         .spec
         .node
@@ -122,7 +125,14 @@ async fn node_facts(client: &Client, fleet: &ConnectionFleet) -> Result<Result<m
     Ok(nodes::resolve(&fleet.spec, observed))
 }
 
-async fn publish(ctx: &Context, fleet: &ConnectionFleet, type_: EventType, reason: &str, action: &str, note: String) {
+async fn publish(
+    ctx: &Context,
+    fleet: &ConnectionFleet,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: String,
+) {
     let ev = Event {
         type_,
         reason: reason.into(),
@@ -135,15 +145,23 @@ async fn publish(ctx: &Context, fleet: &ConnectionFleet, type_: EventType, reaso
     }
 }
 
-async fn write_status(api: &Api<ConnectionFleet>, name: &str, status: &ConnectionFleetStatus) -> Result<(), Error> {
+async fn write_status(
+    api: &Api<ConnectionFleet>,
+    name: &str,
+    status: &ConnectionFleetStatus,
+) -> Result<(), Error> {
     let patch = serde_json::json!({
         "apiVersion": "c10m.dev/v1alpha1",
         "kind": "ConnectionFleet",
         "status": status,
     });
-    api.patch_status(name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
-        .await
-        .map_err(kube_err(format!("update status of ConnectionFleet {name}")))?;
+    api.patch_status(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(kube_err(format!("update status of ConnectionFleet {name}")))?;
     Ok(())
 }
 
@@ -166,12 +184,25 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     let plan = match planned {
         Ok(plan) => plan,
         Err((reason, e)) => {
-            let outcome = Outcome::Rejected { reason, message: e.to_string() };
-            let next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
-            let changed = prev.and_then(|p| status::condition(p, status::DEGRADED)) != status::condition(&next, status::DEGRADED);
+            let outcome = Outcome::Rejected {
+                reason,
+                message: e.to_string(),
+            };
+            let next =
+                status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
+            let changed = prev.and_then(|p| status::condition(p, status::DEGRADED))
+                != status::condition(&next, status::DEGRADED);
             if changed {
                 warn!(fleet = %name, namespace = %ns, reason, error = %e, "fleet rejected");
-                publish(&ctx, &fleet, EventType::Warning, reason, "Plan", e.to_string()).await;
+                publish(
+                    &ctx,
+                    &fleet,
+                    EventType::Warning,
+                    reason,
+                    "Plan",
+                    e.to_string(),
+                )
+                .await;
             }
             if Some(&next) != prev {
                 write_status(&fleets, &name, &next).await?;
@@ -180,12 +211,26 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
             return Ok(Action::requeue(RESYNC));
         }
     };
-    let owner = fleet.controller_owner_ref(&()).expect("a fleet from the API server has a uid");
+    let owner = fleet
+        .controller_owner_ref(&())
+        .expect("a fleet from the API server has a uid");
     let objects = render::render(&fleet, &plan, owner);
     let applied = async {
-        let dep = apply(&Api::<Deployment>::namespaced(ctx.client.clone(), &ns), &objects.deployment).await?;
-        apply(&Api::<Service>::namespaced(ctx.client.clone(), &ns), &objects.service).await?;
-        apply(&Api::<PodDisruptionBudget>::namespaced(ctx.client.clone(), &ns), &objects.pdb).await?;
+        let dep = apply(
+            &Api::<Deployment>::namespaced(ctx.client.clone(), &ns),
+            &objects.deployment,
+        )
+        .await?;
+        apply(
+            &Api::<Service>::namespaced(ctx.client.clone(), &ns),
+            &objects.service,
+        )
+        .await?;
+        apply(
+            &Api::<PodDisruptionBudget>::namespaced(ctx.client.clone(), &ns),
+            &objects.pdb,
+        )
+        .await?;
         Ok::<_, Error>(dep)
     }
     .await;
@@ -204,7 +249,10 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
                 },
             }
         }
-        Err(e) => Outcome::ApplyFailed { plan: plan.clone(), message: e.to_string() },
+        Err(e) => Outcome::ApplyFailed {
+            plan: plan.clone(),
+            message: e.to_string(),
+        },
     };
     let next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
 
@@ -220,16 +268,37 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
         info!(fleet = %name, namespace = %ns, shards = plan.shards, limit = plan.limiting_factor.as_str(), "plan changed");
         publish(&ctx, &fleet, EventType::Normal, "PlanChanged", "Plan", note).await;
     }
-    let sysctl_cond_changed = prev.and_then(|p| status::condition(p, status::SYSCTLS_APPLIED)).map(|c| &c.status)
+    let sysctl_cond_changed = prev
+        .and_then(|p| status::condition(p, status::SYSCTLS_APPLIED))
+        .map(|c| &c.status)
         != status::condition(&next, status::SYSCTLS_APPLIED).map(|c| &c.status);
     if sysctl_cond_changed && !plan.sysctls_not_applied.is_empty() {
-        let msg = status::condition(&next, status::SYSCTLS_APPLIED).map(|c| c.message.clone()).unwrap_or_default();
-        publish(&ctx, &fleet, EventType::Warning, "SysctlsNotApplied", "Plan", msg).await;
+        let msg = status::condition(&next, status::SYSCTLS_APPLIED)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        publish(
+            &ctx,
+            &fleet,
+            EventType::Warning,
+            "SysctlsNotApplied",
+            "Plan",
+            msg,
+        )
+        .await;
     }
     if let Err(e) = &applied {
-        let degraded_changed = prev.and_then(|p| status::condition(p, status::DEGRADED)) != status::condition(&next, status::DEGRADED);
+        let degraded_changed = prev.and_then(|p| status::condition(p, status::DEGRADED))
+            != status::condition(&next, status::DEGRADED);
         if degraded_changed {
-            publish(&ctx, &fleet, EventType::Warning, "ApplyFailed", "Apply", e.to_string()).await;
+            publish(
+                &ctx,
+                &fleet,
+                EventType::Warning,
+                "ApplyFailed",
+                "Apply",
+                e.to_string(),
+            )
+            .await;
         }
     }
     if Some(&next) != prev {
@@ -239,7 +308,11 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     let ready = matches!(outcome, Outcome::Applied { shards, .. } if shards.rolled_out());
     // Deployment status changes arrive through the owned-object watch; the
     // short requeue only covers a rollout the watch might not report.
-    Ok(Action::requeue(if ready { RESYNC } else { Duration::from_secs(15) }))
+    Ok(Action::requeue(if ready {
+        RESYNC
+    } else {
+        Duration::from_secs(15)
+    }))
 }
 
 /// Requeue after an error with per-fleet exponential backoff.
@@ -258,7 +331,11 @@ pub fn error_policy(fleet: Arc<ConnectionFleet>, error: &Error, ctx: Arc<Context
 
 /// Runs the controller until SIGTERM/SIGINT. With `namespace`, only fleets
 /// (and owned objects) in that namespace are watched.
-pub async fn run(client: Client, namespace: Option<String>, instance: Option<String>) -> anyhow::Result<()> {
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    instance: Option<String>,
+) -> anyhow::Result<()> {
     let (fleets, deps, svcs, pdbs) = match &namespace {
         Some(ns) => (
             Api::<ConnectionFleet>::namespaced(client.clone(), ns),
@@ -266,17 +343,29 @@ pub async fn run(client: Client, namespace: Option<String>, instance: Option<Str
             Api::<Service>::namespaced(client.clone(), ns),
             Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
         ),
-        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
+        None => (
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+        ),
     };
     // Fail fast with a clear message when the CRD is missing or RBAC forbids reading fleets.
     fleets
         .list(&ListParams::default().limit(1))
         .await
-        .map_err(|e| anyhow::anyhow!("cannot list connectionfleets.c10m.dev (is the CRD applied and RBAC granted?): {e}"))?;
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot list connectionfleets.c10m.dev (is the CRD applied and RBAC granted?): {e}"
+            )
+        })?;
 
     let ctx = Arc::new(Context::new(client, instance));
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=c10m-operator");
-    info!(namespace = namespace.as_deref().unwrap_or("<all>"), "c10m-operator controller starting");
+    info!(
+        namespace = namespace.as_deref().unwrap_or("<all>"),
+        "c10m-operator controller starting"
+    );
     Controller::new(fleets, watcher::Config::default())
         .owns(deps, owned.clone())
         .owns(svcs, owned.clone())

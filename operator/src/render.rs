@@ -4,11 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
+};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource, PodSecurityContext, PodSpec,
-    PodTemplateSpec, Probe, ResourceRequirements, SecurityContext, Service, ServicePort, ServiceSpec, Sysctl,
-    TopologySpreadConstraint, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource,
+    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecurityContext,
+    Service, ServicePort, ServiceSpec, Sysctl, TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -16,7 +18,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::api::{BackendModel, ConnectionFleet, DEFAULT_SERVER_IMAGE, SysctlMode};
-use crate::model::Plan;
+use crate::model::{self, Plan};
 use crate::sysctl::{self, Scope};
 
 /// Label holding the fleet name on every owned object and pod.
@@ -53,7 +55,10 @@ pub fn labels(name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         ("app.kubernetes.io/name".into(), "c10m-server".into()),
         ("app.kubernetes.io/instance".into(), name.into()),
-        ("app.kubernetes.io/managed-by".into(), "c10m-operator".into()),
+        (
+            "app.kubernetes.io/managed-by".into(),
+            "c10m-operator".into(),
+        ),
         (FLEET_LABEL.into(), name.into()),
     ])
 }
@@ -91,15 +96,27 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
         env("C10M_MAX_CONNECTIONS", plan.shard_connection_limit),
         env("C10M_NOFILE", plan.nofile),
         env("C10M_BACKLOG", plan.listen_backlog),
-        env("C10M_PROTOCOL", serde_json::to_value(spec.backend.protocol).unwrap().as_str().unwrap_or("echo")),
+        env(
+            "C10M_PROTOCOL",
+            serde_json::to_value(spec.backend.protocol)
+                .unwrap()
+                .as_str()
+                .unwrap_or("echo"),
+        ),
     ];
     if spec.backend.model == BackendModel::Goroutine {
         env_vars.push(env("GOMAXPROCS", plan.cpus));
-        env_vars.push(env("GOMEMLIMIT", plan.memory_limit_bytes / 100 * GOMEMLIMIT_PERCENT));
+        env_vars.push(env(
+            "GOMEMLIMIT",
+            plan.memory_limit_bytes / 100 * GOMEMLIMIT_PERCENT,
+        ));
     }
     let resources: BTreeMap<String, Quantity> = BTreeMap::from([
         ("cpu".into(), Quantity(plan.cpus.to_string())),
-        ("memory".into(), Quantity(plan.memory_limit_bytes.to_string())),
+        (
+            "memory".into(),
+            Quantity(plan.memory_limit_bytes.to_string()),
+        ),
     ]);
     let health = |initial: i32| Probe {
         http_get: Some(HTTPGetAction {
@@ -137,8 +154,9 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
         }),
         readiness_probe: Some(health(1)),
         liveness_probe: Some(health(10)),
-        // The bundled server needs no privilege: it raises its own soft
-        // RLIMIT_NOFILE to the hard limit. Users' images keep their defaults.
+        // The bundled server runs unprivileged; with the plan's sysctls it
+        // keeps only CAP_SYS_RESOURCE, to raise its hard RLIMIT_NOFILE to the
+        // plan's nofile (up to fs.nr_open). Users' images keep their defaults.
         security_context: bundled.then(|| SecurityContext {
             run_as_non_root: Some(true),
             run_as_user: Some(65532),
@@ -146,7 +164,7 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
             read_only_root_filesystem: Some(true),
             capabilities: Some(Capabilities {
                 drop: Some(vec!["ALL".into()]),
-                ..Default::default()
+                add: model::raises_own_nofile(spec).then(|| vec!["SYS_RESOURCE".into()]),
             }),
             ..Default::default()
         }),
@@ -154,20 +172,31 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
     };
 
     let mode = spec.sysctls.mode;
-    let init_containers = (mode == SysctlMode::InitContainer && !plan.sysctls.is_empty())
-        .then(|| vec![sysctl_init_container(spec.sysctls.image.as_deref().unwrap_or(DEFAULT_SERVER_IMAGE), plan)]);
-    let pod_sysctls = (mode == SysctlMode::PodSecurityContext && !plan.sysctls.is_empty()).then(|| PodSecurityContext {
-        sysctls: Some(
-            plan.sysctls
-                .iter()
-                .map(|(n, v)| Sysctl {
-                    name: n.clone(),
-                    value: v.clone(),
-                })
-                .collect(),
-        ),
-        ..Default::default()
-    });
+    let init_containers =
+        (mode == SysctlMode::InitContainer && !plan.sysctls.is_empty()).then(|| {
+            vec![sysctl_init_container(
+                spec.sysctls
+                    .image
+                    .as_deref()
+                    .unwrap_or(DEFAULT_SERVER_IMAGE),
+                plan,
+            )]
+        });
+    let pod_sysctls =
+        (mode == SysctlMode::PodSecurityContext && !plan.sysctls.is_empty()).then(|| {
+            PodSecurityContext {
+                sysctls: Some(
+                    plan.sysctls
+                        .iter()
+                        .map(|(n, v)| Sysctl {
+                            name: n.clone(),
+                            value: v.clone(),
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }
+        });
 
     let pod = PodSpec {
         init_containers: init_containers.clone(),
@@ -183,8 +212,10 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
             }]
         }),
         security_context: pod_sysctls,
-        node_selector: (!spec.placement.node_selector.is_empty()).then(|| spec.placement.node_selector.clone()),
-        tolerations: (!spec.placement.tolerations.is_empty()).then(|| spec.placement.tolerations.clone()),
+        node_selector: (!spec.placement.node_selector.is_empty())
+            .then(|| spec.placement.node_selector.clone()),
+        tolerations: (!spec.placement.tolerations.is_empty())
+            .then(|| spec.placement.tolerations.clone()),
         topology_spread_constraints: Some(vec![TopologySpreadConstraint {
             max_skew: 1,
             topology_key: "kubernetes.io/hostname".into(),
@@ -201,7 +232,10 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
 
     let mut pod_annotations = BTreeMap::new();
     pod_annotations.insert("prometheus.io/scrape".to_string(), "true".to_string());
-    pod_annotations.insert("prometheus.io/port".to_string(), server.metrics_port.to_string());
+    pod_annotations.insert(
+        "prometheus.io/port".to_string(),
+        server.metrics_port.to_string(),
+    );
     pod_annotations.insert("prometheus.io/path".to_string(), "/metrics".to_string());
 
     let deployment = Deployment {
@@ -273,7 +307,11 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
         ..Default::default()
     };
 
-    Rendered { deployment, service, pdb }
+    Rendered {
+        deployment,
+        service,
+        pdb,
+    }
 }
 
 /// The privileged init container: `c10m-sysctl --set` for namespaced

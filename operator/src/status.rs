@@ -35,7 +35,10 @@ pub struct Shards {
 impl Shards {
     /// Every shard runs the current template and is ready, with none extra.
     pub fn rolled_out(&self) -> bool {
-        self.observed && self.ready >= self.desired && self.updated >= self.desired && self.total == self.desired
+        self.observed
+            && self.ready >= self.desired
+            && self.updated >= self.desired
+            && self.total == self.desired
     }
 }
 
@@ -76,24 +79,53 @@ pub fn next_status(
     let mut status = prev.cloned().unwrap_or_default();
     status.observed_generation = Some(generation);
     let mut set = |type_: &str, ok: bool, reason: &str, message: String| {
-        set_condition(&mut status.conditions, type_, ok, reason, message, generation, now);
+        set_condition(
+            &mut status.conditions,
+            type_,
+            ok,
+            reason,
+            message,
+            generation,
+            now,
+        );
     };
     match outcome {
         Outcome::Rejected { reason, message } => {
             set(READY, false, reason, message.clone());
-            set(PROGRESSING, false, reason, "waiting for a spec change".into());
+            set(
+                PROGRESSING,
+                false,
+                reason,
+                "waiting for a spec change".into(),
+            );
             set(DEGRADED, true, reason, message.clone());
         }
         Outcome::ApplyFailed { message, .. } => {
             set(READY, false, "ApplyFailed", message.clone());
-            set(PROGRESSING, false, "ApplyFailed", "retrying with backoff".into());
+            set(
+                PROGRESSING,
+                false,
+                "ApplyFailed",
+                "retrying with backoff".into(),
+            );
             set(DEGRADED, true, "ApplyFailed", message.clone());
         }
         Outcome::Applied { plan, shards } => {
             let done = shards.rolled_out();
-            let counts = format!("{}/{} shards ready, {} updated", shards.ready, shards.desired, shards.updated);
+            let counts = format!(
+                "{}/{} shards ready, {} updated",
+                shards.ready, shards.desired, shards.updated
+            );
             if done {
-                set(READY, true, "ShardsReady", format!("{counts}; the fleet holds up to {} connections", plan.capacity));
+                set(
+                    READY,
+                    true,
+                    "ShardsReady",
+                    format!(
+                        "{counts}; the fleet holds up to {} connections",
+                        plan.capacity
+                    ),
+                );
                 set(PROGRESSING, false, "RolloutComplete", counts);
             } else {
                 set(READY, false, "ShardsNotReady", counts.clone());
@@ -110,7 +142,12 @@ pub fn next_status(
                     ),
                 );
             } else {
-                set(DEGRADED, false, "AsPlanned", format!("the plan holds {} connections", plan.capacity));
+                set(
+                    DEGRADED,
+                    false,
+                    "AsPlanned",
+                    format!("the plan holds {} connections", plan.capacity),
+                );
             }
         }
     }
@@ -175,7 +212,11 @@ pub fn set_condition(
     };
     match conditions.iter_mut().find(|c| c.type_ == type_) {
         Some(c) => {
-            let t = if c.status == status { c.last_transition_time.clone() } else { now.clone() };
+            let t = if c.status == status {
+                c.last_transition_time.clone()
+            } else {
+                now.clone()
+            };
             *c = new(t);
         }
         None => conditions.push(new(now.clone())),
@@ -198,8 +239,17 @@ mod tests {
     }
 
     fn a_plan() -> Plan {
-        let spec: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({"connections": 1000000})).unwrap();
-        plan(&spec, NodeFacts { memory_bytes: 256 << 30, cpus: 64, pods: 110 }).unwrap()
+        let spec: ConnectionFleetSpec =
+            serde_json::from_value(serde_json::json!({"connections": 1000000})).unwrap();
+        plan(
+            &spec,
+            NodeFacts {
+                memory_bytes: 256 << 30,
+                cpus: 64,
+                pods: 110,
+            },
+        )
+        .unwrap()
     }
 
     #[test]
@@ -207,20 +257,39 @@ mod tests {
         let p = a_plan();
         let rolling = Outcome::Applied {
             plan: p.clone(),
-            shards: Shards { desired: p.shards, ready: 0, updated: p.shards, total: p.shards, observed: true },
+            shards: Shards {
+                desired: p.shards,
+                ready: 0,
+                updated: p.shards,
+                total: p.shards,
+                observed: true,
+            },
         };
         let s1 = next_status(None, 1, 1000000, &rolling, &t(10));
         assert_eq!(condition(&s1, READY).unwrap().status, "False");
         assert_eq!(condition(&s1, PROGRESSING).unwrap().status, "True");
         let done = Outcome::Applied {
             plan: p.clone(),
-            shards: Shards { desired: p.shards, ready: p.shards, updated: p.shards, total: p.shards, observed: true },
+            shards: Shards {
+                desired: p.shards,
+                ready: p.shards,
+                updated: p.shards,
+                total: p.shards,
+                observed: true,
+            },
         };
         let s2 = next_status(Some(&s1), 1, 1000000, &done, &t(20));
         let ready = condition(&s2, READY).unwrap();
-        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "ShardsReady"));
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("True", "ShardsReady")
+        );
         assert_eq!(ready.last_transition_time, t(20));
-        assert_eq!(condition(&s2, DEGRADED).unwrap().last_transition_time, t(10), "unchanged status keeps its time");
+        assert_eq!(
+            condition(&s2, DEGRADED).unwrap().last_transition_time,
+            t(10),
+            "unchanged status keeps its time"
+        );
         let s3 = next_status(Some(&s2), 1, 1000000, &done, &t(30));
         assert_eq!(s2, s3, "a steady fleet's status does not change");
         assert_eq!(s3.observed_generation, Some(1));
@@ -232,13 +301,25 @@ mod tests {
         let p = a_plan();
         let done = Outcome::Applied {
             plan: p.clone(),
-            shards: Shards { desired: p.shards, ready: p.shards, updated: p.shards, total: p.shards, observed: true },
+            shards: Shards {
+                desired: p.shards,
+                ready: p.shards,
+                updated: p.shards,
+                total: p.shards,
+                observed: true,
+            },
         };
         let s1 = next_status(None, 1, 1, &done, &t(1));
-        let bad = Outcome::Rejected { reason: "InvalidSpec", message: "spec.x is bad".into() };
+        let bad = Outcome::Rejected {
+            reason: "InvalidSpec",
+            message: "spec.x is bad".into(),
+        };
         let s2 = next_status(Some(&s1), 2, 1, &bad, &t(2));
         let d = condition(&s2, DEGRADED).unwrap();
-        assert_eq!((d.status.as_str(), d.reason.as_str(), d.message.as_str()), ("True", "InvalidSpec", "spec.x is bad"));
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str(), d.message.as_str()),
+            ("True", "InvalidSpec", "spec.x is bad")
+        );
         assert_eq!(d.observed_generation, Some(2));
         assert_eq!(s2.plan, Some(p), "the running plan stays visible");
     }

@@ -71,10 +71,17 @@ pub struct NodeLoad {
 
 /// The sysctls the plan applies under the spec's mode (name → value, only
 /// raises over kernel defaults) and the names it wants but cannot apply.
-pub fn plan_sysctls(spec: &ConnectionFleetSpec, defaults: &KernelDefaults, load: NodeLoad) -> (BTreeMap<String, String>, Vec<String>) {
+pub fn plan_sysctls(
+    spec: &ConnectionFleetSpec,
+    defaults: &KernelDefaults,
+    load: NodeLoad,
+) -> (BTreeMap<String, String>, Vec<String>) {
     let mut wants: Vec<(&str, String)> = vec![
         ("net.core.somaxconn", model::LISTEN_BACKLOG.to_string()),
-        ("net.ipv4.tcp_max_syn_backlog", model::LISTEN_BACKLOG.to_string()),
+        (
+            "net.ipv4.tcp_max_syn_backlog",
+            model::LISTEN_BACKLOG.to_string(),
+        ),
         // With 1, closing one SO_REUSEPORT listener migrates its queued
         // connections instead of resetting them (KERNEL_FACTS.md, measured).
         ("net.ipv4.tcp_migrate_req", "1".to_string()),
@@ -87,10 +94,16 @@ pub fn plan_sysctls(spec: &ConnectionFleetSpec, defaults: &KernelDefaults, load:
         let [min, pressure, max] = defaults.tcp_mem;
         if load.queued_pages > pressure {
             let p = load.queued_pages;
-            wants.push(("net.ipv4.tcp_mem", format!("{min} {p} {}", max.max(p + p / 2))));
+            wants.push((
+                "net.ipv4.tcp_mem",
+                format!("{min} {p} {}", max.max(p + p / 2)),
+            ));
         }
         if load.tracked && load.connections > defaults.conntrack_max {
-            wants.push(("net.netfilter.nf_conntrack_max", load.connections.to_string()));
+            wants.push((
+                "net.netfilter.nf_conntrack_max",
+                load.connections.to_string(),
+            ));
         }
         let files = load.open_files + FILE_MAX_SYSTEM_RESERVE;
         if files > defaults.file_max {
@@ -107,7 +120,8 @@ pub fn plan_sysctls(spec: &ConnectionFleetSpec, defaults: &KernelDefaults, load:
         let ok = match mode {
             SysctlMode::InitContainer => true,
             SysctlMode::PodSecurityContext => {
-                KUBELET_SAFE.contains(&name) || spec.sysctls.allowed_unsafe.iter().any(|a| a == name)
+                KUBELET_SAFE.contains(&name)
+                    || spec.sysctls.allowed_unsafe.iter().any(|a| a == name)
             }
             SysctlMode::None => false,
         };
@@ -138,7 +152,11 @@ pub fn default_value(name: &str, defaults: &KernelDefaults) -> Option<String> {
 /// True when every whitespace-separated component of `value` is >= the
 /// matching component of `default` (and at least one is greater).
 pub fn is_raise(value: &str, default: &str) -> bool {
-    let parse = |s: &str| s.split_whitespace().map(|t| t.parse::<i64>()).collect::<Result<Vec<_>, _>>();
+    let parse = |s: &str| {
+        s.split_whitespace()
+            .map(|t| t.parse::<i64>())
+            .collect::<Result<Vec<_>, _>>()
+    };
     match (parse(value), parse(default)) {
         (Ok(v), Ok(d)) if v.len() == d.len() => v.iter().zip(&d).all(|(a, b)| a >= b) && v != d,
         _ => false,

@@ -12,7 +12,11 @@ fn bytes(b: i64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{b} B") } else { format!("{v:.1} {} ({b} B)", UNITS[u]) }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {} ({b} B)", UNITS[u])
+    }
 }
 
 /// One table per fleet: each plan field with its value and unit.
@@ -25,20 +29,38 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     };
     row("connections (declared)", connections.to_string());
     row("shards", plan.shards.to_string());
-    row("connectionsPerShard", plan.connections_per_shard.to_string());
-    row("shardConnectionLimit", plan.shard_connection_limit.to_string());
+    row(
+        "connectionsPerShard",
+        plan.connections_per_shard.to_string(),
+    );
+    row(
+        "shardConnectionLimit",
+        plan.shard_connection_limit.to_string(),
+    );
     row("shardsPerNode", plan.shards_per_node.to_string());
     row("nodes", plan.nodes.to_string());
-    row("connectionsPerNode (max)", plan.connections_per_node.to_string());
+    row(
+        "connectionsPerNode (max)",
+        plan.connections_per_node.to_string(),
+    );
     row("capacity", plan.capacity.to_string());
     let b = &plan.bytes_per_connection;
-    row("bytesPerConnection", format!("user {} + kernel {} = {} B", b.user, b.kernel, b.total));
+    row(
+        "bytesPerConnection",
+        format!("user {} + kernel {} = {} B", b.user, b.kernel, b.total),
+    );
     row("memoryLimitBytes", bytes(plan.memory_limit_bytes));
-    row("cpus / workers", format!("{} / {}", plan.cpus, plan.workers));
+    row(
+        "cpus / workers",
+        format!("{} / {}", plan.cpus, plan.workers),
+    );
     row("nofile", plan.nofile.to_string());
     row("listenBacklog", plan.listen_backlog.to_string());
     row("limitingFactor", plan.limiting_factor.as_str().to_string());
-    row("node", format!("{} CPUs, {}", plan.node_cpus, bytes(plan.node_memory_bytes)));
+    row(
+        "node",
+        format!("{} CPUs, {}", plan.node_cpus, bytes(plan.node_memory_bytes)),
+    );
     for (k, v) in &plan.sysctls {
         row(&format!("sysctl {k}"), v.clone());
     }

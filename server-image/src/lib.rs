@@ -1,0 +1,25 @@
+//! `c10m-server`: the bundled server c10m fleets run.
+//!
+//! Thread-per-core: each worker owns one SO_REUSEPORT listener, one
+//! edge-triggered epoll loop (`mio`) and a slab of compact connection
+//! entries that hold no buffer while idle. A small admin thread serves
+//! `/metrics` and `/healthz`. SIGTERM/SIGINT drain and exit 0.
+//!
+//! Modules, in start-up order: [`config`] (flags), [`limits`] (RLIMIT_NOFILE,
+//! connection cap, CPU pinning), [`metrics`], [`worker`] (listeners and event
+//! loops) over [`conn`] (per-connection state and protocol), [`admin`] (HTTP),
+//! and [`server`], which wires them together.
+
+#![warn(missing_docs)]
+
+pub mod admin;
+pub mod config;
+pub mod conn;
+pub mod limits;
+pub mod metrics;
+pub mod server;
+pub mod sysctl;
+pub mod worker;
+
+pub use config::{Config, Protocol};
+pub use server::run;

@@ -1,0 +1,417 @@
+//! Prometheus metrics (OpenMetrics text via `prometheus-client`).
+//!
+//! Every name follows Prometheus conventions (base units, `_total` on
+//! counters) and the exposition passes `promtool check metrics`; an
+//! integration test runs promtool against the live endpoint.
+//!
+//! Hot paths never touch a `Family` (a lock and a hash per lookup): each
+//! worker takes its own [`WorkerMetrics`] handles once, at start, and those
+//! are plain atomics shared with the registry.
+
+use std::fmt;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+
+/// Exposition formats [`Metrics::encode`] can write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0 text, what `prometheus-client` writes natively and
+    /// what Prometheus asks for first in its `Accept` header.
+    OpenMetrics,
+    /// The classic Prometheus text format 0.0.4, for every other client
+    /// (curl, `promtool check metrics`): counter families are named with
+    /// their `_total` suffix and there are no `# UNIT`/`# EOF` lines.
+    PrometheusText,
+}
+
+impl Format {
+    /// Picks the format for a request's `Accept` header: OpenMetrics when the
+    /// client lists it, the Prometheus text format otherwise.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::PrometheusText,
+        }
+    }
+
+    /// The `Content-Type` of this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::PrometheusText => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+}
+
+/// Rewrites OpenMetrics text (as `prometheus-client` writes it) into the
+/// Prometheus text format 0.0.4: in OpenMetrics a counter family `x` has
+/// samples `x_total`, while the older format (and `promtool check metrics`)
+/// wants `# HELP`/`# TYPE` to name `x_total` itself. `# UNIT` and `# EOF`
+/// lines do not exist there and are dropped. Sample lines are unchanged.
+pub fn openmetrics_to_prometheus_text(om: &str) -> String {
+    let counters: Vec<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?)));
+        if let Some((prefix, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            if counters.contains(&name) {
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str("_total ");
+                out.push_str(tail);
+                out.push('\n');
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Why a held connection was closed (`c10m_connections_closed_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CloseReason {
+    /// The peer closed its side (read returned EOF).
+    Peer,
+    /// The peer reset the connection (`ECONNRESET`, `EPIPE`).
+    Reset,
+    /// Any other socket error.
+    Error,
+    /// The server closed it while draining on SIGTERM/SIGINT.
+    Shutdown,
+}
+
+impl CloseReason {
+    /// Every reason, in label order.
+    pub const ALL: [CloseReason; 4] = [Self::Peer, Self::Reset, Self::Error, Self::Shutdown];
+
+    /// The `reason` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Peer => "peer",
+            Self::Reset => "reset",
+            Self::Error => "error",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Why a connection was accepted and closed at once
+/// (`c10m_connections_rejected_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// The connection cap was reached.
+    Capacity,
+    /// The process ran out of file descriptors (`EMFILE`/`ENFILE`); the
+    /// connection was taken off the queue with the worker's spare descriptor
+    /// and closed.
+    FdLimit,
+}
+
+impl RejectReason {
+    /// Every reason, in label order.
+    pub const ALL: [RejectReason; 2] = [Self::Capacity, Self::FdLimit];
+
+    /// The `reason` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Capacity => "capacity",
+            Self::FdLimit => "fd_limit",
+        }
+    }
+}
+
+impl EncodeLabelValue for CloseReason {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), fmt::Error> {
+        fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+impl EncodeLabelValue for RejectReason {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), fmt::Error> {
+        fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+/// Label set `{worker="N"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct WorkerLabel {
+    /// Worker index, 0-based.
+    pub worker: u32,
+}
+
+/// Label set `{reason="..."}` for closes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CloseLabel {
+    /// Why the connection closed.
+    pub reason: CloseReason,
+}
+
+/// Label set `{reason="..."}` for rejections.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RejectLabel {
+    /// Why the connection was rejected.
+    pub reason: RejectReason,
+}
+
+/// All server metrics and the registry that exposes them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    connections: Family<WorkerLabel, Gauge>,
+    accepted: Family<WorkerLabel, Counter>,
+    received: Family<WorkerLabel, Counter>,
+    sent: Family<WorkerLabel, Counter>,
+    closed: Family<CloseLabel, Counter>,
+    rejected: Family<RejectLabel, Counter>,
+    /// `c10m_connections_capacity`: the connection cap in force, in
+    /// connections (after lowering it to fit the descriptor limit).
+    pub capacity: Gauge,
+    /// `c10m_fd_limit`: RLIMIT_NOFILE soft limit in force, in descriptors.
+    pub fd_limit: Gauge,
+    /// `c10m_draining`: 1 once SIGTERM/SIGINT started the drain, else 0.
+    pub draining: Gauge,
+    /// `c10m_workers`: worker threads (one listener and event loop each).
+    pub workers: Gauge,
+}
+
+/// One worker's metric handles: atomics shared with the registry, so
+/// updating them costs one atomic add and no lookup.
+#[derive(Debug, Clone)]
+pub struct WorkerMetrics {
+    /// Live connections held by this worker.
+    pub connections: Gauge,
+    /// Connections this worker admitted.
+    pub accepted: Counter,
+    /// Bytes read from connections.
+    pub received_bytes: Counter,
+    /// Bytes written to connections.
+    pub sent_bytes: Counter,
+    closed: [Counter; CloseReason::ALL.len()],
+    rejected: [Counter; RejectReason::ALL.len()],
+}
+
+impl WorkerMetrics {
+    /// The closed-connections counter for `reason` (process-wide).
+    pub fn closed(&self, reason: CloseReason) -> &Counter {
+        &self.closed[reason as usize]
+    }
+
+    /// The rejected-connections counter for `reason` (process-wide).
+    pub fn rejected(&self, reason: RejectReason) -> &Counter {
+        &self.rejected[reason as usize]
+    }
+}
+
+impl Metrics {
+    /// Registers every metric, with a series per worker and per reason so
+    /// that each exists (at 0) from the first scrape.
+    pub fn new(workers: u32) -> Self {
+        let mut m = Metrics {
+            connections: Family::default(),
+            accepted: Family::default(),
+            received: Family::default(),
+            sent: Family::default(),
+            closed: Family::default(),
+            rejected: Family::default(),
+            capacity: Gauge::default(),
+            fd_limit: Gauge::default(),
+            draining: Gauge::default(),
+            workers: Gauge::default(),
+            registry: Registry::default(),
+        };
+        let registry = &mut m.registry;
+        registry.register(
+            "c10m_connections",
+            "Live connections held, per worker",
+            m.connections.clone(),
+        );
+        registry.register(
+            "c10m_connections_accepted",
+            "Connections accepted and held, per worker",
+            m.accepted.clone(),
+        );
+        registry.register(
+            "c10m_connections_closed",
+            "Held connections closed, by reason (peer, reset, error, shutdown)",
+            m.closed.clone(),
+        );
+        registry.register(
+            "c10m_connections_rejected",
+            "Connections accepted and closed at once, by reason (capacity, fd_limit)",
+            m.rejected.clone(),
+        );
+        registry.register(
+            "c10m_connections_capacity",
+            "Cap on live connections in this process",
+            m.capacity.clone(),
+        );
+        registry.register(
+            "c10m_fd_limit",
+            "RLIMIT_NOFILE soft limit in force, in file descriptors",
+            m.fd_limit.clone(),
+        );
+        registry.register(
+            "c10m_draining",
+            "1 while the server drains after SIGTERM or SIGINT, else 0",
+            m.draining.clone(),
+        );
+        registry.register(
+            "c10m_workers",
+            "Worker threads, each with its own SO_REUSEPORT listener",
+            m.workers.clone(),
+        );
+        registry.register_with_unit(
+            "c10m_received",
+            "Bytes read from connections, per worker",
+            Unit::Bytes,
+            m.received.clone(),
+        );
+        registry.register_with_unit(
+            "c10m_sent",
+            "Bytes written to connections, per worker",
+            Unit::Bytes,
+            m.sent.clone(),
+        );
+        for w in 0..workers {
+            let l = WorkerLabel { worker: w };
+            m.connections.get_or_create_owned(&l);
+            m.accepted.get_or_create_owned(&l);
+            m.received.get_or_create_owned(&l);
+            m.sent.get_or_create_owned(&l);
+        }
+        for reason in CloseReason::ALL {
+            m.closed.get_or_create_owned(&CloseLabel { reason });
+        }
+        for reason in RejectReason::ALL {
+            m.rejected.get_or_create_owned(&RejectLabel { reason });
+        }
+        m.workers.set(i64::from(workers));
+        m
+    }
+
+    /// Handles for worker `worker`.
+    pub fn worker(&self, worker: u32) -> WorkerMetrics {
+        let l = WorkerLabel { worker };
+        WorkerMetrics {
+            connections: self.connections.get_or_create_owned(&l),
+            accepted: self.accepted.get_or_create_owned(&l),
+            received_bytes: self.received.get_or_create_owned(&l),
+            sent_bytes: self.sent.get_or_create_owned(&l),
+            closed: CloseReason::ALL
+                .map(|reason| self.closed.get_or_create_owned(&CloseLabel { reason })),
+            rejected: RejectReason::ALL
+                .map(|reason| self.rejected.get_or_create_owned(&RejectLabel { reason })),
+        }
+    }
+
+    /// The exposition in `format` (see [`Format::content_type`]).
+    pub fn encode(&self, format: Format) -> String {
+        let mut out = String::with_capacity(4096);
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        match format {
+            Format::OpenMetrics => out,
+            Format::PrometheusText => openmetrics_to_prometheus_text(&out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_index_their_arrays() {
+        for (i, r) in CloseReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
+        for (i, r) in RejectReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
+    }
+
+    #[test]
+    fn exposition_has_every_series() {
+        let m = Metrics::new(2);
+        m.capacity.set(19_960);
+        m.fd_limit.set(20_000);
+        let w1 = m.worker(1);
+        w1.connections.inc();
+        w1.connections.inc();
+        w1.accepted.inc_by(3);
+        w1.closed(CloseReason::Reset).inc();
+        w1.rejected(RejectReason::Capacity).inc_by(5);
+        w1.received_bytes.inc_by(10);
+        let text = m.encode(Format::OpenMetrics);
+        for line in [
+            "# TYPE c10m_connections gauge",
+            "c10m_connections{worker=\"0\"} 0",
+            "c10m_connections{worker=\"1\"} 2",
+            "# TYPE c10m_connections_accepted counter",
+            "c10m_connections_accepted_total{worker=\"1\"} 3",
+            "c10m_connections_closed_total{reason=\"reset\"} 1",
+            "c10m_connections_closed_total{reason=\"shutdown\"} 0",
+            "c10m_connections_rejected_total{reason=\"capacity\"} 5",
+            "c10m_connections_rejected_total{reason=\"fd_limit\"} 0",
+            "c10m_connections_capacity 19960",
+            "c10m_fd_limit 20000",
+            "c10m_draining 0",
+            "c10m_workers 2",
+            "# UNIT c10m_received_bytes bytes",
+            "c10m_received_bytes_total{worker=\"1\"} 10",
+            "c10m_sent_bytes_total{worker=\"0\"} 0",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn prometheus_text_names_counters_with_total() {
+        let m = Metrics::new(1);
+        m.worker(0).accepted.inc();
+        let text = m.encode(Format::PrometheusText);
+        for line in [
+            "# HELP c10m_connections_accepted_total Connections accepted and held, per worker.",
+            "# TYPE c10m_connections_accepted_total counter",
+            "c10m_connections_accepted_total{worker=\"0\"} 1",
+            "# TYPE c10m_connections gauge",
+            "# TYPE c10m_received_bytes_total counter",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+        assert!(!text.contains("# EOF"));
+        assert!(!text.contains("# UNIT"));
+        assert!(!text.contains("# TYPE c10m_connections_accepted counter"));
+    }
+
+    #[test]
+    fn negotiates_format() {
+        let prom = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                    version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(Format::negotiate(Some(prom)), Format::OpenMetrics);
+        assert_eq!(Format::negotiate(Some("*/*")), Format::PrometheusText);
+        assert_eq!(Format::negotiate(None), Format::PrometheusText);
+    }
+}
