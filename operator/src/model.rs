@@ -39,16 +39,16 @@ pub const CONNTRACK_BYTES: i64 = 256;
 /// (KERNEL_FACTS.md, [source] design article).
 pub const GOROUTINE_USER_BYTES: i64 = 11_900;
 
-/// User-space bytes per idle connection of the bundled c10m-server (epoll).
-/// Measured: RSS delta ÷ connections of `c10m-server` holding 19,000 idle
-/// echo connections on this project's 2-vCPU VM (`make measure-server`,
-/// see README "Figures").
-pub const EPOLL_USER_BYTES: i64 = 64;
+/// User-space bytes per idle connection of the bundled c10m-server (epoll):
+/// 23.5–23.7 B measured as the server's RSS delta ÷ 19,000 idle echo
+/// connections (16 B slab entry + slab/epoll bookkeeping), 3 runs on this
+/// project's 2-vCPU VM with `make measure-server`; rounded up to 24.
+pub const EPOLL_USER_BYTES: i64 = 24;
 
 /// Memory allowed per shard process beyond its connections: runtime, thread
 /// stacks, per-worker scratch buffers, metrics. A generous 64 MiB bound: the
-/// bundled server's idle RSS is a few MiB (`make measure-server`) and a Go
-/// runtime's heap arenas and stacks fit too.
+/// bundled server's idle RSS is 3.3–3.5 MB with 2 workers (`make
+/// measure-server`) and a Go runtime's heap arenas and stacks fit too.
 pub const PROCESS_BASE_BYTES: i64 = 64 << 20;
 
 /// File descriptors a shard needs besides connections: the bundled server

@@ -79,9 +79,17 @@ pub enum Applied {
     /// Written as given (namespaced).
     Set,
     /// Raised from the old value to the new.
-    Raised { from: String, to: String },
+    Raised {
+        /// The kernel's value before.
+        from: String,
+        /// The value written.
+        to: String,
+    },
     /// Left alone: the kernel's value already meets or exceeds the plan's.
-    Kept { current: String },
+    Kept {
+        /// The kernel's value, kept.
+        current: String,
+    },
 }
 
 fn read(path: &Path) -> anyhow::Result<String> {
