@@ -36,6 +36,12 @@ enum Command {
     },
     /// Print the ConnectionFleet CustomResourceDefinition as YAML.
     Crd,
+    /// Print the plan and conditions the operator wrote for each fleet in the cluster.
+    Status {
+        /// Only this namespace (default: all namespaces).
+        #[arg(short = 'n', long)]
+        namespace: Option<String>,
+    },
     /// Plan fleets from a manifest without a cluster.
     Plan {
         /// Manifest with one or more ConnectionFleet documents ("-" for stdin).
@@ -146,6 +152,45 @@ fn plan_offline(
     Ok(())
 }
 
+async fn print_status(namespace: Option<String>) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("cannot build a Kubernetes client")?;
+    let api: kube::Api<ConnectionFleet> = match &namespace {
+        Some(ns) => kube::Api::namespaced(client, ns),
+        None => kube::Api::all(client),
+    };
+    let fleets = api
+        .list(&Default::default())
+        .await
+        .context("cannot list connectionfleets")?;
+    if fleets.items.is_empty() {
+        println!("no ConnectionFleets");
+    }
+    for f in fleets {
+        let name = format!(
+            "{}/{}",
+            f.metadata.namespace.clone().unwrap_or_default(),
+            f.metadata.name.clone().unwrap_or_default()
+        );
+        let Some(status) = &f.status else {
+            println!("{name}: no status yet (is the operator running?)\n");
+            continue;
+        };
+        if let Some(plan) = &status.plan {
+            println!("{}", table::plan_table(&name, f.spec.connections, plan));
+        }
+        for c in &status.conditions {
+            println!(
+                "  {:<15} {:<6} {:<18} {}",
+                c.type_, c.status, c.reason, c.message
+            );
+        }
+        println!();
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     match run(Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -168,6 +213,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             node_memory,
             node_cpus,
         } => plan_offline(&file, output, node_memory, node_cpus),
+        Command::Status { namespace } => {
+            tokio::runtime::Runtime::new()?.block_on(print_status(namespace))
+        }
         Command::Run {
             namespace,
             log_format,

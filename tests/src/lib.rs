@@ -1,1 +1,232 @@
-//! Helpers shared by the end-to-end tests.
+//! Helpers shared by the end-to-end tests: real `kubectl` against the local
+//! control plane (`tests/cluster/up.sh`), a real `c10m-operator` process per
+//! test namespace, polling with deadlines.
+//!
+//! The cluster is found through `C10M_KUBECONFIG`, else the stable path the
+//! cluster scripts write (`$C10M_CACHE/cluster/kubeconfig`, default
+//! `~/.cache/c10m/cluster/kubeconfig`). Tests fail (never skip) when it is
+//! missing: run them with `make test`, which brings the plane up.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Root of the workspace.
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Admin kubeconfig of the cluster under test.
+pub fn kubeconfig() -> PathBuf {
+    if let Ok(p) = std::env::var("C10M_KUBECONFIG") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var("C10M_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            let base = std::env::var("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache"));
+            base.join("c10m")
+        });
+    let path = cache.join("cluster/kubeconfig");
+    assert!(
+        path.exists(),
+        "no cluster: {} is missing. Run the end-to-end tests with `make test` (or start the plane with tests/cluster/up.sh)",
+        path.display()
+    );
+    path
+}
+
+/// Runs kubectl with the test kubeconfig and optional stdin.
+pub fn kubectl_with(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl is installed");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Runs kubectl and returns stdout; panics with stderr on failure.
+pub fn kubectl(args: &[&str]) -> String {
+    let out = kubectl_with(args, None);
+    assert!(
+        out.status.success(),
+        "kubectl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `kubectl apply -f -` of `manifest` in `ns`; returns (success, stdout + stderr).
+pub fn apply(ns: &str, manifest: &str) -> (bool, String) {
+    let out = kubectl_with(&["apply", "-n", ns, "-f", "-"], Some(manifest));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `kubectl get -o json` of one object, `None` when it does not exist.
+pub fn get_json(ns: &str, kind: &str, name: &str) -> Option<Value> {
+    let out = kubectl_with(&["get", "-n", ns, kind, name, "-o", "json"], None);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// Polls `f` every 250 ms until it returns `Some`, or panics after `timeout`
+/// with `what` and the last value seen by `describe`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Applies the CRD once per test process and waits until it is Established.
+pub fn ensure_crd() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let crd = workspace().join("crds/connectionfleet.yaml");
+        kubectl(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            crd.to_str().unwrap(),
+        ]);
+        kubectl(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/connectionfleets.c10m.dev",
+        ]);
+    });
+}
+
+/// A namespace that is deleted when dropped.
+pub struct Namespace(pub String);
+
+impl Namespace {
+    /// Creates `c10m-e2e-<prefix>-<pid>`.
+    pub fn create(prefix: &str) -> Self {
+        let name = format!("c10m-e2e-{prefix}-{}", std::process::id());
+        kubectl(&["create", "namespace", &name]);
+        Namespace(name)
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = kubectl_with(&["delete", "namespace", &self.0, "--wait=false"], None);
+    }
+}
+
+/// A `c10m-operator run --namespace NS` process, killed when dropped. Its
+/// log goes to `target/e2e-logs/<namespace>.log`.
+pub struct Operator {
+    child: Child,
+    /// Where the operator logs.
+    pub log: PathBuf,
+}
+
+impl Operator {
+    /// Starts the operator binary (`C10M_OPERATOR_BIN`, else
+    /// `target/debug/c10m-operator`, built by `make test`) for `ns`.
+    pub fn start(ns: &str) -> Self {
+        let bin = std::env::var("C10M_OPERATOR_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| workspace().join("target/debug/c10m-operator"));
+        assert!(
+            bin.exists(),
+            "{} is missing: run `cargo build -p c10m-operator` (make test does)",
+            bin.display()
+        );
+        let logs = workspace().join("target/e2e-logs");
+        std::fs::create_dir_all(&logs).unwrap();
+        let log = logs.join(format!("{ns}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(bin)
+            .args(["run", "--namespace", ns])
+            .env("KUBECONFIG", kubeconfig())
+            .env("RUST_LOG", "info,kube=warn")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("start c10m-operator");
+        Operator { child, log }
+    }
+
+    /// The operator's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The condition `type_` of an object's status, if present.
+pub fn condition<'a>(obj: &'a Value, type_: &str) -> Option<&'a Value> {
+    obj["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+}
+
+/// Events in `ns` whose regarding/involved object is `name`, as (type, reason, note).
+pub fn events_for(ns: &str, name: &str) -> Vec<(String, String, String)> {
+    let out = kubectl(&["get", "events.events.k8s.io", "-n", ns, "-o", "json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["regarding"]["name"] == name)
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap_or_default().to_string(),
+                e["reason"].as_str().unwrap_or_default().to_string(),
+                e["note"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}

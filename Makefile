@@ -1,0 +1,56 @@
+# c10m: the two commands are `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+CLUSTER ?= local
+CARGO ?= cargo
+export C10M_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/c10m
+export C10M_STATE ?= $(C10M_CACHE)/cluster
+LOCAL_KUBECONFIG := $(C10M_STATE)/kubeconfig
+OPERATOR := target/debug/c10m-operator
+
+.PHONY: help deps build cluster-up demo down test test-unit lint crd measure-server
+
+help:
+	@echo "make demo              local control plane + operator + example fleet (CLUSTER=current: your kubectl context)"
+	@echo "make down              stop the demo operator and the local control plane"
+	@echo "make test              unit, property and end-to-end tests (brings the plane up and down itself)"
+	@echo "make lint              cargo fmt --check, cargo clippy -D warnings"
+	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
+	@echo "make measure-server    c10m-server memory per idle connection (JSON)"
+
+deps:
+	@bash tests/cluster/install-deps.sh
+	@command -v $(CARGO) >/dev/null || { echo "error: cargo not found: install Rust with rustup" >&2; exit 1; }
+
+build:
+	$(CARGO) build --workspace --bins
+
+cluster-up: deps
+	bash tests/cluster/up.sh
+
+demo: deps build
+	@bash tests/demo.sh "$(CLUSTER)"
+
+down:
+	@bash tests/demo.sh --stop
+	bash tests/cluster/down.sh
+
+test: deps build
+	bash tests/run.sh
+
+test-unit:
+	$(CARGO) test --workspace --exclude c10m-e2e
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+crd: build
+	$(OPERATOR) crd > crds/connectionfleet.yaml
+
+measure-server:
+	$(CARGO) build --release -p c10m-server
+	@mkdir -p target/bench
+	python3 server-image/bench/idle_memory.py target/release/c10m-server 19000 | tee target/bench/idle-memory.json

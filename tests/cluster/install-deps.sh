@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian machine lacks for the local control plane and
+# the tests: Debian packages via apt-get (apt-get update only when something
+# is missing). Go and kubectl are expected to be preinstalled; this checks
+# them and fails with a clear message if they are missing. Quiet when all is
+# present.
+set -euo pipefail
+export LC_ALL=C
+
+# package:command-or-file that proves it is installed
+wanted=(
+  openssl:openssl
+  curl:curl
+  ca-certificates:/etc/ssl/certs/ca-certificates.crt
+  iproute2:ss
+  util-linux:flock
+  prometheus:prometheus
+)
+
+installed() { # PROBE
+  if [[ "$1" == /* ]]; then [[ -e "$1" ]]; else command -v "$1" >/dev/null 2>&1; fi
+}
+
+missing=()
+for entry in "${wanted[@]}"; do
+  pkg=${entry%%:*}
+  probe=${entry#*:}
+  installed "$probe" || missing+=("$pkg")
+done
+
+if ((${#missing[@]})); then
+  echo "install-deps: installing ${missing[*]}"
+  command -v apt-get >/dev/null || {
+    echo "error: apt-get not found; install these packages by hand: ${missing[*]}" >&2
+    exit 1
+  }
+  sudo=()
+  if ((EUID != 0)); then
+    command -v sudo >/dev/null || {
+      echo "error: not root and no sudo; as root run: apt-get install ${missing[*]}" >&2
+      exit 1
+    }
+    sudo=(sudo)
+  fi
+  # Packages such as prometheus start a service on install; keep them from
+  # doing so (the tests start what they need, on 127.0.0.1 only).
+  policy=/usr/sbin/policy-rc.d
+  if [[ ! -e "$policy" ]]; then
+    printf '#!/bin/sh\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null
+    "${sudo[@]}" chmod 755 "$policy"
+    trap '"${sudo[@]}" rm -f "$policy"' EXIT
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  for entry in "${wanted[@]}"; do
+    installed "${entry#*:}" || {
+      echo "error: ${entry%%:*} still missing after apt-get install" >&2
+      exit 1
+    }
+  done
+  echo "install-deps: installed ${missing[*]}"
+fi
+
+# Preinstalled on our machines; not installed by this script.
+if ! command -v go >/dev/null; then
+  echo "error: go not found in PATH. Install Go >= 1.25 (https://go.dev/dl/) and put it on PATH;" \
+    "tests/cluster/build.sh compiles the control plane with it." >&2
+  exit 1
+fi
+go_version=$(go env GOVERSION 2>/dev/null || true)
+if [[ ! "$go_version" =~ ^go1\.([0-9]+) ]] || ((BASH_REMATCH[1] < 25)); then
+  echo "error: Go >= 1.25 is required (tests/cluster/go.mod); found '${go_version:-unknown}'" >&2
+  exit 1
+fi
+if ! command -v kubectl >/dev/null; then
+  echo "error: kubectl not found in PATH. Install kubectl (>= 1.32) from" \
+    "https://kubernetes.io/docs/tasks/tools/; up.sh and the tests use it." >&2
+  exit 1
+fi

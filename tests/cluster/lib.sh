@@ -1,0 +1,142 @@
+# Settings and helpers shared by up.sh and down.sh (sourced, not run).
+#
+# Every setting can be overridden from the environment. They live here and
+# not in env.sh because build.sh keys the binary cache on env.sh: changing
+# env.sh would force a rebuild.
+
+cluster_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=env.sh
+source "$cluster_dir/env.sh"
+
+# Ports, all bound to 127.0.0.1.
+C10M_ETCD_PORT=${C10M_ETCD_PORT:-32379}            # etcd clients (plain http, loopback only)
+C10M_ETCD_PEER_PORT=${C10M_ETCD_PEER_PORT:-32380}  # etcd peers
+C10M_APISERVER_PORT=${C10M_APISERVER_PORT:-6443}   # kube-apiserver (https)
+C10M_KCM_PORT=${C10M_KCM_PORT:-10257}              # kube-controller-manager /healthz (https)
+C10M_SCHEDULER_PORT=${C10M_SCHEDULER_PORT:-10259}  # kube-scheduler /healthz (https)
+C10M_KWOK_PORT=${C10M_KWOK_PORT:-10247}            # kwok /healthz, /metrics (http)
+
+# Networks.
+C10M_SERVICE_CIDR=${C10M_SERVICE_CIDR:-10.96.0.0/16}
+# The apiserver must advertise a non-loopback address (the Endpoints of the
+# `kubernetes` Service reject 127.0.0.0/8). It is never bound and nothing
+# dials it (there is no kube-proxy), so a fixed RFC 5737 documentation
+# address keeps the plane independent of the machine's interfaces.
+C10M_ADVERTISE_ADDRESS=${C10M_ADVERTISE_ADDRESS:-198.51.100.1}
+# Fake nodes: kwok-node-<i> (i = 1..C10M_KWOK_NODES) gets InternalIP
+# ${C10M_NODE_IP_PREFIX}.<i> and spec.podCIDR ${C10M_POD_CIDR_PREFIX}.<i>.0/24,
+# so pod IPs are 127.1.<i>.1, 127.1.<i>.2, ... (loopback: a test can bind a
+# real server to a pod's IP without configuring any interface).
+C10M_KWOK_NODES=${C10M_KWOK_NODES:-3}
+C10M_NODE_IP_PREFIX=${C10M_NODE_IP_PREFIX:-127.0.100}
+C10M_POD_CIDR_PREFIX=${C10M_POD_CIDR_PREFIX:-127.1}
+C10M_NODE_CPU=${C10M_NODE_CPU:-64}
+C10M_NODE_MEMORY=${C10M_NODE_MEMORY:-256Gi}
+C10M_NODE_PODS=${C10M_NODE_PODS:-110}
+
+# Layout of the state directory.
+PKI=$C10M_STATE/pki
+PIDS=$C10M_STATE/pids
+LOGS=$C10M_STATE/logs
+KUBECONFIGS=$C10M_STATE/kubeconfigs
+
+# Components in start order; down.sh stops them in reverse.
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+
+die() {
+  echo "error: $*" >&2
+  exit 1
+}
+
+# pid_alive PID: the process exists and is not a zombie.
+pid_alive() {
+  local state
+  [[ "$1" =~ ^[0-9]+$ ]] || return 1
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ -n "$state" && "$state" != Z && "$state" != X ]]
+}
+
+# exe_name PID: base name of the process's executable ("etcd", "kwok", ...).
+exe_name() {
+  local exe
+  exe=$(readlink "/proc/$1/exe" 2>/dev/null) || return 1
+  exe=${exe% (deleted)}
+  echo "${exe##*/}"
+}
+
+# running_pid NAME: prints the pid of component NAME if its pid file names a
+# live process running that component's binary; fails otherwise.
+running_pid() {
+  local name=$1 pid
+  pid=$(cat "$PIDS/$name.pid" 2>/dev/null) || return 1
+  pid_alive "$pid" || return 1
+  [[ "$(exe_name "$pid")" == "$name" ]] || return 1
+  echo "$pid"
+}
+
+# plane_orphans: pids of processes running a cached plane binary with this
+# state directory on their command line that no pid file accounts for.
+plane_orphans() {
+  local p pid exe cmdline name known
+  for p in /proc/[0-9]*; do
+    pid=${p#/proc/}
+    exe=$(readlink "$p/exe" 2>/dev/null) || continue
+    [[ "$exe" == "$C10M_CACHE/bin/"* ]] || continue
+    cmdline=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
+    [[ "$cmdline" == *"$C10M_STATE/"* ]] || continue
+    known=
+    for name in "${COMPONENTS[@]}"; do
+      [[ "$(cat "$PIDS/$name.pid" 2>/dev/null)" == "$pid" ]] && known=1
+    done
+    [[ -z "$known" ]] && echo "$pid"
+  done
+  return 0
+}
+
+# stop_pid LABEL PID: TERM, wait up to 15 s, then KILL.
+stop_pid() {
+  local label=$1 pid=$2 i
+  pid_alive "$pid" || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < 150; i++)); do
+    pid_alive "$pid" || { echo "stopped $label (pid $pid)"; return 0; }
+    sleep 0.1
+  done
+  echo "$label (pid $pid) still running 15 s after TERM; sending KILL" >&2
+  kill -KILL "$pid" 2>/dev/null || true
+  for ((i = 0; i < 50; i++)); do
+    pid_alive "$pid" || { echo "killed $label (pid $pid)"; return 0; }
+    sleep 0.1
+  done
+  die "could not stop $label (pid $pid)"
+}
+
+# stop_component NAME: stops it if its pid file names it, removes the pid file.
+stop_component() {
+  local name=$1 pid
+  if pid=$(running_pid "$name"); then
+    stop_pid "$name" "$pid"
+  fi
+  rm -f "$PIDS/$name.pid" "$PIDS/$name.cmd"
+}
+
+# log_tail NAME [LINES]: the end of a component's log, for error messages.
+log_tail() {
+  local log="$LOGS/$1.log"
+  if [[ -s "$log" ]]; then
+    echo "---- last ${2:-40} lines of $log ----" >&2
+    tail -n "${2:-40}" "$log" >&2
+    echo "----" >&2
+  else
+    echo "($log is empty or missing)" >&2
+  fi
+}
+
+# Lock serialising up.sh and down.sh. The fd must not leak into daemons.
+take_lock() {
+  mkdir -p "$C10M_STATE"
+  exec 9>"$C10M_STATE/.lock"
+  if ! flock -w 600 9; then
+    die "another up.sh/down.sh holds $C10M_STATE/.lock for over 10 minutes"
+  fi
+}

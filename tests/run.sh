@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# `make test`: every test of the workspace — unit, property, and end-to-end
+# against the local control plane. Brings the plane up if it is not running
+# and, in that case, tears it down afterwards (a plane left by `make demo` is
+# used and left running).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/cluster/env.sh"
+
+started=
+if ! KUBECONFIG=$KUBECONFIG_PATH kubectl get --raw /readyz >/dev/null 2>&1; then
+  started=1
+fi
+cleanup() {
+  if [[ -n "$started" ]]; then bash "$here/cluster/down.sh" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
+bash "$here/cluster/up.sh"
+export C10M_KUBECONFIG=$KUBECONFIG_PATH
+cd "$here/.."
+cargo test --workspace --no-fail-fast

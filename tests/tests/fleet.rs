@@ -1,0 +1,442 @@
+//! Walking skeleton, end to end on the local control plane with real
+//! kubectl: a ConnectionFleet becomes a planned, kernel-tuned, sharded
+//! Deployment whose pods run on KWOK nodes; spec changes re-plan; bad
+//! manifests are refused naming the field; deleting the fleet removes what
+//! it owns.
+
+use std::time::Duration;
+
+use c10m_e2e::*;
+use serde_json::Value;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn fleet_manifest(name: &str, connections: i64, extra: &str) -> String {
+    format!(
+        r#"
+apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: {name}
+spec:
+  connections: {connections}
+  backend:
+    model: epoll
+  node:
+    pricePerHour: "2.59"
+  shard:
+    cpus: 8
+    minShards: 3
+  placement:
+    nodeSelector:
+      c10m.dev/pool: edge
+{extra}"#
+    )
+}
+
+fn env_of(container: &Value, name: &str) -> Option<String> {
+    container["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == name)
+        .map(|e| e["value"].as_str().unwrap().to_string())
+}
+
+/// Waits until the fleet is Ready for its current generation and returns it.
+fn wait_ready(ns: &str, name: &str) -> Value {
+    wait_for(&format!("fleet {name} Ready"), MINUTE, || {
+        let f = get_json(ns, "connectionfleet", name)?;
+        let ready = condition(&f, "Ready")?["status"] == "True";
+        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
+    })
+}
+
+#[test]
+fn fleet_is_planned_deployed_replanned_and_deleted() {
+    ensure_crd();
+    let ns = Namespace::create("fleet");
+    let ns = ns.0.as_str();
+    let op = Operator::start(ns);
+
+    let (ok, out) = apply(ns, &fleet_manifest("push-edge", 1_000_000, ""));
+    assert!(ok, "{out}");
+
+    // Within 60 s: the planned Deployment, its pods Running on KWOK nodes, the fleet Ready.
+    let fleet = wait_ready(ns, "push-edge");
+    let plan = &fleet["status"]["plan"];
+    let shards = plan["shards"].as_i64().unwrap();
+    assert_eq!(shards, 3, "minShards 3 for 1M connections: {plan}");
+    assert_eq!(plan["limitingFactor"], "memory");
+    assert_eq!(
+        plan["nodeCpus"], 64,
+        "node profile from the KWOK nodes' allocatable"
+    );
+    assert_eq!(plan["nodeMemoryBytes"].as_i64().unwrap(), 256 << 30);
+    assert_eq!(fleet["status"]["desiredShards"].as_i64(), Some(shards));
+    assert_eq!(fleet["status"]["readyShards"].as_i64(), Some(shards));
+    assert!(plan["monthlyCost"].as_f64().unwrap() > 0.0);
+
+    let dep = get_json(ns, "deployment", "push-edge").expect("deployment");
+    assert_eq!(dep["spec"]["replicas"].as_i64(), Some(shards));
+    assert_eq!(
+        dep["metadata"]["ownerReferences"][0]["kind"],
+        "ConnectionFleet"
+    );
+    let pod = &dep["spec"]["template"]["spec"];
+    let init = &pod["initContainers"][0];
+    assert_eq!(init["name"], "sysctls");
+    assert_eq!(init["securityContext"]["privileged"], true);
+    let args: Vec<&str> = init["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    for (name, value) in plan["sysctls"].as_object().unwrap() {
+        let wanted = value.as_str().unwrap();
+        assert!(
+            args.iter()
+                .any(|a| a.ends_with(&format!("={name}={wanted}"))),
+            "init container lacks {name}={wanted}: {args:?}"
+        );
+    }
+    assert!(args.contains(&"--set=net.core.somaxconn=65535"), "{args:?}");
+    assert!(
+        args.iter()
+            .any(|a| a.starts_with("--raise-node=fs.nr_open=")),
+        "{args:?}"
+    );
+    let server = &pod["containers"][0];
+    let res = &server["resources"];
+    assert_eq!(res["requests"], res["limits"], "Guaranteed QoS");
+    assert_eq!(res["limits"]["cpu"], "8");
+    assert_eq!(
+        res["limits"]["memory"].as_str().unwrap(),
+        plan["memoryLimitBytes"].as_i64().unwrap().to_string()
+    );
+    assert_eq!(env_of(server, "C10M_WORKERS").as_deref(), Some("8"));
+    assert_eq!(
+        env_of(server, "C10M_MAX_CONNECTIONS"),
+        Some(plan["shardConnectionLimit"].to_string())
+    );
+    assert_eq!(
+        env_of(server, "C10M_NOFILE"),
+        Some(plan["nofile"].to_string())
+    );
+    assert_eq!(
+        server["securityContext"]["capabilities"]["add"][0],
+        "SYS_RESOURCE"
+    );
+
+    let pods: Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        "c10m.dev/fleet=push-edge",
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let pods = pods["items"].as_array().unwrap();
+    assert_eq!(pods.len() as i64, shards);
+    for p in pods {
+        assert_eq!(p["status"]["phase"], "Running", "{}", p["metadata"]["name"]);
+        assert_eq!(p["status"]["qosClass"], "Guaranteed");
+        assert!(
+            p["spec"]["nodeName"]
+                .as_str()
+                .unwrap()
+                .starts_with("kwok-node-")
+        );
+    }
+    let svc = get_json(ns, "service", "push-edge").expect("service");
+    assert_eq!(svc["spec"]["ports"][0]["port"], 7000);
+    let pdb = get_json(ns, "poddisruptionbudget", "push-edge").expect("pdb");
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    assert!(
+        events_for(ns, "push-edge")
+            .iter()
+            .any(|(t, r, _)| t == "Normal" && r == "PlanChanged")
+    );
+
+    // Re-apply the same manifest: nothing changes (GitOps no-op).
+    let rv = fleet["metadata"]["resourceVersion"].clone();
+    let dep_rv = dep["metadata"]["resourceVersion"].clone();
+    let (ok, out) = apply(ns, &fleet_manifest("push-edge", 1_000_000, ""));
+    assert!(ok && out.contains("unchanged"), "{out}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        get_json(ns, "connectionfleet", "push-edge").unwrap()["metadata"]["resourceVersion"],
+        rv
+    );
+    assert_eq!(
+        get_json(ns, "deployment", "push-edge").unwrap()["metadata"]["resourceVersion"],
+        dep_rv
+    );
+
+    // Change connections: the plan and the Deployment follow.
+    let (ok, out) = apply(ns, &fleet_manifest("push-edge", 20_000_000, ""));
+    assert!(ok, "{out}");
+    let fleet = wait_ready(ns, "push-edge");
+    let bigger = fleet["status"]["plan"]["shards"].as_i64().unwrap();
+    assert!(
+        bigger > shards,
+        "20M connections need more than {shards} shards: {}",
+        fleet["status"]["plan"]
+    );
+    assert_eq!(
+        get_json(ns, "deployment", "push-edge").unwrap()["spec"]["replicas"].as_i64(),
+        Some(bigger)
+    );
+    assert_eq!(fleet["status"]["observedGeneration"], 2);
+
+    // printer columns
+    let wide = kubectl(&["get", "connectionfleets", "-n", ns, "-o", "wide"]);
+    assert!(
+        wide.contains("CONNECTIONS") && wide.contains("LIMIT") && wide.contains("20000000"),
+        "{wide}"
+    );
+
+    // Delete: owned objects are garbage-collected.
+    kubectl(&[
+        "delete",
+        "connectionfleet",
+        "-n",
+        ns,
+        "push-edge",
+        "--wait=true",
+        "--timeout=60s",
+    ]);
+    wait_for("owned objects deleted", MINUTE, || {
+        (get_json(ns, "deployment", "push-edge").is_none()
+            && get_json(ns, "service", "push-edge").is_none()
+            && get_json(ns, "poddisruptionbudget", "push-edge").is_none())
+        .then_some(())
+    });
+    assert!(!op.log_text().contains("panicked"), "{}", op.log_text());
+}
+
+#[test]
+fn goroutine_fleet_in_pod_security_context_mode_never_renders_unsafe_sysctls() {
+    ensure_crd();
+    let ns = Namespace::create("psc");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    let manifest = r#"
+apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: go-edge
+spec:
+  connections: 2000000
+  backend:
+    model: goroutine
+  shard:
+    cpus: 4
+  sysctls:
+    mode: PodSecurityContext
+  server:
+    image: example.com/go-edge:1.0
+"#;
+    let (ok, out) = apply(ns, manifest);
+    assert!(ok, "{out}");
+    let fleet = wait_ready(ns, "go-edge");
+    let plan = &fleet["status"]["plan"];
+    let sysctls = condition(&fleet, "SysctlsApplied").expect("SysctlsApplied condition");
+    assert_eq!(sysctls["status"], "False");
+    assert!(
+        sysctls["message"]
+            .as_str()
+            .unwrap()
+            .contains("net.core.somaxconn"),
+        "{sysctls}"
+    );
+    let dep = get_json(ns, "deployment", "go-edge").unwrap();
+    let pod = &dep["spec"]["template"]["spec"];
+    assert!(
+        pod["initContainers"].is_null(),
+        "no init container in PodSecurityContext mode"
+    );
+    assert!(
+        pod["securityContext"]["sysctls"].is_null(),
+        "no unsafe sysctl rendered: {}",
+        pod["securityContext"]
+    );
+    let server = &pod["containers"][0];
+    assert_eq!(env_of(server, "GOMAXPROCS").as_deref(), Some("4"));
+    let limit = plan["memoryLimitBytes"].as_i64().unwrap();
+    assert_eq!(
+        env_of(server, "GOMEMLIMIT"),
+        Some((limit / 100 * 90).to_string())
+    );
+    assert_eq!(plan["limitingFactor"], "nofile");
+    assert!(
+        events_for(ns, "go-edge")
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "SysctlsNotApplied"),
+        "{:?}",
+        events_for(ns, "go-edge")
+    );
+}
+
+#[test]
+fn operator_reports_what_the_schema_cannot_and_recovers() {
+    ensure_crd();
+    let ns = Namespace::create("infeasible");
+    let ns = ns.0.as_str();
+    let op = Operator::start(ns);
+    // 128 CPUs per shard passes the schema (<= 1024) but no 64-CPU node holds it.
+    let (ok, out) = apply(
+        ns,
+        &fleet_manifest("too-big", 1000, "").replace("cpus: 8", "cpus: 128"),
+    );
+    assert!(ok, "{out}");
+    let fleet = wait_for("Degraded PlanInfeasible", MINUTE, || {
+        let f = get_json(ns, "connectionfleet", "too-big")?;
+        (condition(&f, "Degraded")?["reason"] == "PlanInfeasible").then_some(f)
+    });
+    let degraded = condition(&fleet, "Degraded").unwrap();
+    assert_eq!(degraded["status"], "True");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.shard.cpus"),
+        "{degraded}"
+    );
+    assert_eq!(condition(&fleet, "Ready").unwrap()["status"], "False");
+    assert!(get_json(ns, "deployment", "too-big").is_none());
+    let warnings = || {
+        events_for(ns, "too-big")
+            .into_iter()
+            .filter(|(t, r, _)| t == "Warning" && r == "PlanInfeasible")
+            .count()
+    };
+    wait_for("Warning event", MINUTE, || (warnings() > 0).then_some(()));
+    // No hot loop: a rejected fleet is not re-planned while nothing changes.
+    let lines = || {
+        op.log_text()
+            .lines()
+            .filter(|l| l.contains("fleet rejected"))
+            .count()
+    };
+    let before = lines();
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        lines(),
+        before,
+        "rejected fleet was reconciled again without a change"
+    );
+    assert_eq!(before, 1);
+
+    // Fix the spec: the fleet recovers.
+    let (ok, out) = apply(ns, &fleet_manifest("too-big", 1000, ""));
+    assert!(ok, "{out}");
+    let fleet = wait_ready(ns, "too-big");
+    assert_eq!(condition(&fleet, "Degraded").unwrap()["status"], "False");
+}
+
+#[test]
+fn invalid_manifests_are_refused_naming_the_field() {
+    ensure_crd();
+    let ns = Namespace::create("invalid");
+    let ns = ns.0.as_str();
+    let base = |spec: &str| {
+        format!(
+            "apiVersion: c10m.dev/v1alpha1\nkind: ConnectionFleet\nmetadata:\n  name: bad\n{spec}"
+        )
+    };
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "connections below 1",
+            "spec:\n  connections: 0\n",
+            "spec.connections",
+        ),
+        (
+            "connections above 10^10",
+            "spec:\n  connections: 10000000001\n",
+            "spec.connections",
+        ),
+        (
+            "non-integer node cpus",
+            "spec:\n  connections: 10\n  node:\n    cpus: 1.5\n",
+            "spec.node.cpus",
+        ),
+        (
+            "zero shard cpus",
+            "spec:\n  connections: 10\n  shard:\n    cpus: 0\n",
+            "spec.shard.cpus",
+        ),
+        (
+            "custom without user bytes",
+            "spec:\n  connections: 10\n  backend:\n    model: custom\n",
+            "spec.backend.userBytesPerConnection",
+        ),
+        (
+            "negative user bytes",
+            "spec:\n  connections: 10\n  backend:\n    userBytesPerConnection: -5\n",
+            "spec.backend.userBytesPerConnection",
+        ),
+        (
+            "negative kernel bytes",
+            "spec:\n  connections: 10\n  node:\n    kernelBytesPerSocket: -1\n",
+            "spec.node.kernelBytesPerSocket",
+        ),
+        (
+            "negative price",
+            "spec:\n  connections: 10\n  node:\n    pricePerHour: \"-2.59\"\n",
+            "spec.node.pricePerHour",
+        ),
+        (
+            "maxShards below minShards",
+            "spec:\n  connections: 10\n  shard:\n    minShards: 5\n    maxShards: 2\n",
+            "spec.shard.maxShards",
+        ),
+        (
+            "headroom above 90",
+            "spec:\n  connections: 10\n  shard:\n    headroomPercent: 95\n",
+            "spec.shard.headroomPercent",
+        ),
+        (
+            "unknown backend model",
+            "spec:\n  connections: 10\n  backend:\n    model: threads\n",
+            "spec.backend.model",
+        ),
+        (
+            "unknown sysctl mode",
+            "spec:\n  connections: 10\n  sysctls:\n    mode: Sometimes\n",
+            "spec.sysctls.mode",
+        ),
+        (
+            "port above 65535",
+            "spec:\n  connections: 10\n  server:\n    port: 70000\n",
+            "spec.server.port",
+        ),
+        (
+            "same port twice",
+            "spec:\n  connections: 10\n  server:\n    port: 9090\n",
+            "spec.server.metricsPort",
+        ),
+        (
+            "unparsable memory",
+            "spec:\n  connections: 10\n  node:\n    memory: lots\n",
+            "spec.node.memory",
+        ),
+        ("missing spec", "", "spec"),
+    ];
+    for (what, spec, field) in cases {
+        let (ok, out) = apply(ns, &base(spec));
+        assert!(!ok, "{what}: accepted\n{out}");
+        assert!(
+            out.contains(field),
+            "{what}: error does not name {field}:\n{out}"
+        );
+    }
+    let list = kubectl(&["get", "connectionfleets", "-n", ns, "-o", "name"]);
+    assert_eq!(list.trim(), "", "nothing was created");
+    // `kubectl explain` is useful: fields carry descriptions.
+    let explain = kubectl(&["explain", "connectionfleet.spec.shard.headroomPercent"]);
+    assert!(explain.contains("kept free"), "{explain}");
+}
