@@ -16,7 +16,7 @@ help:
 	@echo "make demo              local control plane + operator + example fleet (CLUSTER=current: your kubectl context)"
 	@echo "make down              stop the demo operator and the local control plane"
 	@echo "make test              unit, property and end-to-end tests (brings the plane up and down itself)"
-	@echo "make lint              cargo fmt --check, cargo clippy -D warnings"
+	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, helm lint"
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
 	@echo "make measure-server    c10m-server memory per idle connection (JSON)"
 
@@ -43,12 +43,14 @@ test: deps build
 test-unit:
 	$(CARGO) test --workspace --exclude c10m-e2e
 
-lint:
+lint: deps
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	"$$(bash tests/cluster/build.sh | tail -n1)/helm" lint --strict charts/c10m-operator
 
 crd: build
 	$(OPERATOR) crd > crds/connectionfleet.yaml
+	cp crds/connectionfleet.yaml charts/c10m-operator/crds/connectionfleet.yaml
 
 measure-server:
 	$(CARGO) build --release -p c10m-server

@@ -38,7 +38,7 @@ kubectl wait --for=condition=Established --timeout=60s crd/connectionfleets.c10m
 mkdir -p "$C10M_STATE"
 stop_operator
 log=$C10M_STATE/operator.log
-setsid nohup "$operator" run >"$log" 2>&1 </dev/null &
+setsid nohup "$operator" run --metrics-addr 127.0.0.1:8080 >"$log" 2>&1 </dev/null &
 echo $! >"$pidfile"
 echo "started c10m-operator (pid $(cat "$pidfile"), log $log)"
 

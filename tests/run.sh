@@ -16,6 +16,8 @@ cleanup() {
 }
 trap cleanup EXIT
 bash "$here/cluster/up.sh"
+# A demo operator watching every namespace would reconcile the tests' fleets too.
+bash "$here/demo.sh" --stop
 export C10M_KUBECONFIG=$KUBECONFIG_PATH
 cd "$here/.."
 cargo test --workspace --no-fail-fast

@@ -487,12 +487,14 @@ mod tests {
 
     #[test]
     fn checked_in_crd_matches_the_types() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/connectionfleet.yaml");
-        let on_disk = std::fs::read_to_string(path).expect("crds/connectionfleet.yaml exists");
-        assert!(
-            on_disk == crd_yaml(),
-            "crds/connectionfleet.yaml is stale: run `cargo run -p c10m-operator -- crd > crds/connectionfleet.yaml`"
-        );
+        for file in [
+            "crds/connectionfleet.yaml",
+            "charts/c10m-operator/crds/connectionfleet.yaml",
+        ] {
+            let path = format!("{}/../{file}", env!("CARGO_MANIFEST_DIR"));
+            let on_disk = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert!(on_disk == crd_yaml(), "{file} is stale: run `make crd`");
+        }
     }
 
     fn schema() -> serde_json::Value {

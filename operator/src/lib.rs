@@ -14,3 +14,4 @@ pub mod render;
 pub mod status;
 pub mod sysctl;
 pub mod table;
+pub mod telemetry;

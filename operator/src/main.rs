@@ -33,6 +33,12 @@ enum Command {
         /// Log format.
         #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "C10M_LOG_FORMAT")]
         log_format: LogFormat,
+        /// Server-side apply the ConnectionFleet CRD at start-up (false where CRDs are managed elsewhere, e.g. GitOps).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "C10M_MANAGE_CRD")]
+        manage_crd: bool,
+        /// Serve /metrics and /healthz on this address ("" to disable).
+        #[arg(long, default_value = "0.0.0.0:8080", env = "C10M_METRICS_ADDR")]
+        metrics_addr: String,
     },
     /// Print the ConnectionFleet CustomResourceDefinition as YAML.
     Crd,
@@ -219,6 +225,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run {
             namespace,
             log_format,
+            manage_crd,
+            metrics_addr,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,kube=warn".into());
@@ -232,7 +240,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let client = kube::Client::try_default()
                     .await
                     .context("cannot build a Kubernetes client")?;
-                reconcile::run(client, namespace, std::env::var("POD_NAME").ok()).await
+                let config = reconcile::RunConfig {
+                    namespace,
+                    instance: std::env::var("POD_NAME").ok(),
+                    manage_crd,
+                    metrics_addr: (!metrics_addr.is_empty()).then_some(metrics_addr),
+                };
+                reconcile::run(client, config).await
             })
         }
     }

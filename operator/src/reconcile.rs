@@ -62,11 +62,17 @@ pub struct Context {
     pub recorder: Recorder,
     /// Consecutive failures per fleet, for backoff.
     failures: Mutex<HashMap<ObjectRef<ConnectionFleet>, u32>>,
+    /// The operator's own metrics.
+    pub metrics: Arc<crate::telemetry::Metrics>,
 }
 
 impl Context {
     /// A context for `client`; `instance` names this operator replica in events.
-    pub fn new(client: Client, instance: Option<String>) -> Self {
+    pub fn new(
+        client: Client,
+        instance: Option<String>,
+        metrics: Arc<crate::telemetry::Metrics>,
+    ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
             instance,
@@ -75,6 +81,7 @@ impl Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             failures: Mutex::default(),
+            metrics,
         }
     }
 }
@@ -165,6 +172,45 @@ async fn write_status(
     Ok(())
 }
 
+/// Records a failed API call on the fleet: a Warning event when the Degraded
+/// condition changes, and the status (best effort: the status write may be
+/// what is failing; the log always has the error).
+async fn report_failure(
+    ctx: &Context,
+    fleet: &ConnectionFleet,
+    api: &Api<ConnectionFleet>,
+    outcome: &Outcome,
+    now: &Time,
+) {
+    let prev = fleet.status.as_ref();
+    let next = status::next_status(
+        prev,
+        fleet.metadata.generation.unwrap_or(0),
+        fleet.spec.connections,
+        outcome,
+        now,
+    );
+    let degraded = status::condition(&next, status::DEGRADED);
+    if prev.and_then(|p| status::condition(p, status::DEGRADED)) != degraded
+        && let Some(c) = degraded
+    {
+        publish(
+            ctx,
+            fleet,
+            EventType::Warning,
+            &c.reason,
+            "Reconcile",
+            c.message.clone(),
+        )
+        .await;
+    }
+    if Some(&next) != prev
+        && let Err(e) = write_status(api, &fleet.name_any(), &next).await
+    {
+        warn!(fleet = %fleet.name_any(), error = %e, "cannot record the failure in status");
+    }
+}
+
 /// One reconcile of one fleet.
 pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = fleet.namespace().unwrap_or_default();
@@ -174,7 +220,19 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     let prev = fleet.status.as_ref();
     let now = Time(k8s_openapi::jiff::Timestamp::now());
 
-    let planned = match node_facts(&ctx.client, &fleet).await? {
+    let node = match node_facts(&ctx.client, &fleet).await {
+        Ok(node) => node,
+        Err(e) => {
+            let outcome = Outcome::Failed {
+                plan: None,
+                reason: "NodesUnavailable",
+                message: e.to_string(),
+            };
+            report_failure(&ctx, &fleet, &fleets, &outcome, &now).await;
+            return Err(e);
+        }
+    };
+    let planned = match node {
         Err(e) => Err(("NoNodeProfile", e)),
         Ok(node) => model::plan(&fleet.spec, node).map_err(|e| match e {
             PlanError::Invalid(_) => ("InvalidSpec", e),
@@ -249,8 +307,9 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
                 },
             }
         }
-        Err(e) => Outcome::ApplyFailed {
-            plan: plan.clone(),
+        Err(e) => Outcome::Failed {
+            plan: Some(plan.clone()),
+            reason: "ApplyFailed",
             message: e.to_string(),
         },
     };
@@ -286,22 +345,9 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
         )
         .await;
     }
-    if let Err(e) = &applied {
-        let degraded_changed = prev.and_then(|p| status::condition(p, status::DEGRADED))
-            != status::condition(&next, status::DEGRADED);
-        if degraded_changed {
-            publish(
-                &ctx,
-                &fleet,
-                EventType::Warning,
-                "ApplyFailed",
-                "Apply",
-                e.to_string(),
-            )
-            .await;
-        }
-    }
-    if Some(&next) != prev {
+    if applied.is_err() {
+        report_failure(&ctx, &fleet, &fleets, &outcome, &now).await;
+    } else if Some(&next) != prev {
         write_status(&fleets, &name, &next).await?;
     }
     applied?;
@@ -329,13 +375,65 @@ pub fn error_policy(fleet: Arc<ConnectionFleet>, error: &Error, ctx: Arc<Context
     Action::requeue(wait)
 }
 
-/// Runs the controller until SIGTERM/SIGINT. With `namespace`, only fleets
-/// (and owned objects) in that namespace are watched.
-pub async fn run(
-    client: Client,
-    namespace: Option<String>,
-    instance: Option<String>,
-) -> anyhow::Result<()> {
+/// How `c10m-operator run` runs.
+#[derive(Clone, Debug, Default)]
+pub struct RunConfig {
+    /// Watch only this namespace (`None`: all namespaces).
+    pub namespace: Option<String>,
+    /// This replica's name in events (the pod name).
+    pub instance: Option<String>,
+    /// Server-side apply the ConnectionFleet CRD at start-up, so upgrading
+    /// the operator upgrades its schema (Helm never upgrades `crds/`).
+    pub manage_crd: bool,
+    /// Address of `/metrics` and `/healthz` (`None`: not served).
+    pub metrics_addr: Option<String>,
+}
+
+/// Server-side applies the ConnectionFleet CRD (field manager
+/// [`FIELD_MANAGER`]) and waits up to 60 s until it is Established.
+pub async fn apply_crd(client: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::CustomResourceExt;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = ConnectionFleet::crd();
+    let name = crd.metadata.name.clone().unwrap_or_default();
+    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&crd))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot apply CRD {name} (start with --manage-crd=false where CRDs are managed elsewhere): {e}"))?;
+    for _ in 0..120 {
+        let got = api
+            .get(&name)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot read CRD {name}: {e}"))?;
+        let established = got.status.and_then(|s| s.conditions).is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        });
+        if established {
+            info!(crd = %name, "CRD applied and established");
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    anyhow::bail!("CRD {name} not Established after 60 s")
+}
+
+/// Runs the controller until SIGTERM/SIGINT.
+pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
+    let metrics = Arc::new(crate::telemetry::Metrics::default());
+    if let Some(addr) = config.metrics_addr.clone() {
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = crate::telemetry::serve(addr, m).await {
+                tracing::error!(error = %e, "metrics endpoint stopped");
+            }
+        });
+    }
+    if config.manage_crd {
+        apply_crd(&client).await?;
+    }
+    let namespace = config.namespace;
+    let instance = config.instance;
     let (fleets, deps, svcs, pdbs) = match &namespace {
         Some(ns) => (
             Api::<ConnectionFleet>::namespaced(client.clone(), ns),
@@ -360,7 +458,7 @@ pub async fn run(
             )
         })?;
 
-    let ctx = Arc::new(Context::new(client, instance));
+    let ctx = Arc::new(Context::new(client, instance, metrics));
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=c10m-operator");
     info!(
         namespace = namespace.as_deref().unwrap_or("<all>"),
@@ -374,7 +472,9 @@ pub async fn run(
         .run(
             |fleet, ctx: Arc<Context>| async move {
                 let key = ObjectRef::from_obj(fleet.as_ref());
+                let started = std::time::Instant::now();
                 let res = reconcile(fleet, ctx.clone()).await;
+                ctx.metrics.observe(res.is_ok(), started.elapsed());
                 if res.is_ok() {
                     ctx.failures.lock().unwrap().remove(&key);
                 }

@@ -59,10 +59,12 @@ pub enum Outcome {
         /// Shard counts of the Deployment.
         shards: Shards,
     },
-    /// The plan was made but applying its objects failed.
-    ApplyFailed {
-        /// The plan.
-        plan: Plan,
+    /// An API call failed (listing nodes, applying objects); retried with backoff.
+    Failed {
+        /// The plan, when one was made before the failure.
+        plan: Option<Plan>,
+        /// Condition reason (NodesUnavailable, ApplyFailed).
+        reason: &'static str,
         /// The API server's error.
         message: String,
     },
@@ -100,15 +102,12 @@ pub fn next_status(
             );
             set(DEGRADED, true, reason, message.clone());
         }
-        Outcome::ApplyFailed { message, .. } => {
-            set(READY, false, "ApplyFailed", message.clone());
-            set(
-                PROGRESSING,
-                false,
-                "ApplyFailed",
-                "retrying with backoff".into(),
-            );
-            set(DEGRADED, true, "ApplyFailed", message.clone());
+        Outcome::Failed {
+            reason, message, ..
+        } => {
+            set(READY, false, reason, message.clone());
+            set(PROGRESSING, false, reason, "retrying with backoff".into());
+            set(DEGRADED, true, reason, message.clone());
         }
         Outcome::Applied { plan, shards } => {
             let done = shards.rolled_out();
@@ -151,8 +150,15 @@ pub fn next_status(
             }
         }
     }
-    match outcome {
-        Outcome::Applied { plan, .. } | Outcome::ApplyFailed { plan, .. } => {
+    let plan = match outcome {
+        Outcome::Applied { plan, .. }
+        | Outcome::Failed {
+            plan: Some(plan), ..
+        } => Some(plan),
+        _ => None,
+    };
+    match plan {
+        Some(plan) => {
             if plan.sysctls_not_applied.is_empty() {
                 set_condition(
                     &mut status.conditions,
@@ -181,7 +187,7 @@ pub fn next_status(
             status.desired_shards = plan.shards;
             status.plan = Some(plan.clone());
         }
-        Outcome::Rejected { .. } => {}
+        None => {}
     }
     if let Outcome::Applied { shards, .. } = outcome {
         status.ready_shards = shards.ready;

@@ -181,7 +181,7 @@ impl Operator {
         let log = logs.join(format!("{ns}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(bin)
-            .args(["run", "--namespace", ns])
+            .args(["run", "--namespace", ns, "--metrics-addr", "127.0.0.1:0"])
             .env("KUBECONFIG", kubeconfig())
             .env("RUST_LOG", "info,kube=warn")
             .stdout(file.try_clone().unwrap())
