@@ -1,8 +1,10 @@
-//! The admin HTTP/1.1 server: `GET /metrics` and `GET /healthz`.
+//! The admin HTTP/1.1 server: `GET /metrics`, `GET /healthz`, and the
+//! authenticated `POST /drain?rate=R` and `POST /shed?count=N&rate=R`.
 //!
 //! One thread, one request per connection (`Connection: close`), requests
-//! parsed with `httparse`. Scrapes and probes are a few per second, so this
-//! stays off the workers and out of their way.
+//! parsed with `httparse`, query strings with `form_urlencoded`. Scrapes and
+//! probes are a few per second, so this stays off the workers and out of
+//! their way.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -12,8 +14,10 @@ use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
 
-use crate::metrics::{Format, Metrics};
-use crate::worker::Shared;
+use subtle::ConstantTimeEq;
+
+use crate::metrics::{CloseReason, Format, Metrics};
+use crate::worker::{CloseOrder, Shared};
 
 /// Largest request head accepted, in bytes; larger gets 431.
 pub const MAX_REQUEST_HEAD: usize = 8 * 1024;
@@ -52,7 +56,9 @@ impl Response {
 fn reason_phrase(status: u16) -> &'static str {
     match status {
         200 => "OK",
+        202 => "Accepted",
         400 => "Bad Request",
+        401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
         431 => "Request Header Fields Too Large",
@@ -79,16 +85,117 @@ pub struct Request {
     pub target: String,
     /// The `Accept` header, if sent.
     pub accept: Option<String>,
+    /// The `Authorization` header, if sent.
+    pub authorization: Option<String>,
 }
 
-/// Routes one request. Pure, apart from calling `metrics` to encode.
+/// An order the admin port accepted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Action {
+    /// `POST /drain?rate=R`: stop accepting, close everything at `rate`
+    /// per second (`None`: the configured `--drain-rate`), then exit.
+    Drain {
+        /// Closes per second; 0 means all at once.
+        rate: Option<f64>,
+    },
+    /// `POST /shed?count=N&rate=R`: close `count` connections at `rate`
+    /// per second (0 or absent: at once) while still accepting.
+    Shed {
+        /// Connections to close.
+        count: u64,
+        /// Closes per second; 0 means all at once.
+        rate: f64,
+    },
+}
+
+/// Whether `authorization` carries `Bearer <token>`, compared in constant
+/// time. Without a configured token every request fails.
+pub fn authorized(authorization: Option<&str>, token: Option<&str>) -> bool {
+    let (Some(auth), Some(token)) = (authorization, token) else {
+        return false;
+    };
+    let Some((scheme, given)) = auth.trim().split_once(' ') else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer")
+        && bool::from(given.trim().as_bytes().ct_eq(token.as_bytes()))
+}
+
+fn number<T: std::str::FromStr>(query: &str, key: &str) -> Result<Option<T>, ()> {
+    match form_urlencoded::parse(query.as_bytes()).find(|(k, _)| k == key) {
+        None => Ok(None),
+        Some((_, v)) => v.parse().map(Some).map_err(|_| ()),
+    }
+}
+
+fn rate(query: &str) -> Result<Option<f64>, ()> {
+    match number::<f64>(query, "rate")? {
+        Some(r) if !r.is_finite() || r < 0.0 => Err(()),
+        r => Ok(r),
+    }
+}
+
+/// Parses the query of `POST /drain` or `POST /shed` into an [`Action`].
+pub fn parse_action(path: &str, query: &str) -> Result<Action, &'static str> {
+    match path {
+        "/drain" => Ok(Action::Drain {
+            rate: rate(query).map_err(|()| "rate must be a number >= 0")?,
+        }),
+        "/shed" => {
+            let count = number::<u64>(query, "count")
+                .map_err(|()| "count must be an integer >= 0")?
+                .ok_or("count is required")?;
+            let rate = rate(query).map_err(|()| "rate must be a number >= 0")?;
+            Ok(Action::Shed {
+                count,
+                rate: rate.unwrap_or(0.0),
+            })
+        }
+        _ => Err("unknown action"),
+    }
+}
+
+/// Routes one request. Pure, apart from calling `metrics` to encode and
+/// `act` to carry out an accepted order (it returns the JSON body).
 ///
 /// `GET`/`HEAD` `/metrics` (format by `Accept`, see [`Format::negotiate`])
 /// and `/healthz` (query strings ignored); any other method on those paths
-/// is 405 with `Allow`; any other path is 404.
-pub fn route(req: &Request, health: Health, metrics: &dyn Fn(Format) -> String) -> Response {
+/// is 405 with `Allow`. `POST /drain` and `POST /shed` need
+/// `Authorization: Bearer <token>` (else 401), valid parameters (else 400)
+/// and answer 202; other methods there are 405. Any other path is 404.
+pub fn route(
+    req: &Request,
+    health: Health,
+    token: Option<&str>,
+    metrics: &dyn Fn(Format) -> String,
+    act: &mut dyn FnMut(Action) -> String,
+) -> Response {
     let (method, target) = (req.method.as_str(), req.target.as_str());
     let path = target.split(['?', '#']).next().unwrap_or(target);
+    if matches!(path, "/drain" | "/shed") {
+        if method != "POST" {
+            let mut r = Response::text(405, "method not allowed");
+            r.headers.push(("Allow", "POST"));
+            return r;
+        }
+        if !authorized(req.authorization.as_deref(), token) {
+            let mut r = Response::text(401, "unauthorized");
+            r.headers.push(("WWW-Authenticate", "Bearer"));
+            return r;
+        }
+        let query = target
+            .split_once('?')
+            .map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
+        return match parse_action(path, query) {
+            Ok(action) => Response {
+                status: 202,
+                content_type: "application/json",
+                headers: Vec::new(),
+                body: act(action) + "\n",
+            },
+            Err(e) => Response::text(400, e),
+        };
+    }
     let known = matches!(path, "/metrics" | "/healthz");
     if !known {
         return Response::text(404, "not found");
@@ -160,6 +267,11 @@ pub fn parse(buf: &[u8]) -> Parsed {
                 .iter()
                 .find(|h| h.name.eq_ignore_ascii_case("accept"))
                 .map(|h| String::from_utf8_lossy(h.value).into_owned()),
+            authorization: req
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("authorization"))
+                .map(|h| String::from_utf8_lossy(h.value).into_owned()),
         }),
         Ok(httparse::Status::Partial) if buf.len() >= MAX_REQUEST_HEAD => Parsed::Invalid(431),
         Ok(httparse::Status::Partial) => Parsed::Partial,
@@ -185,20 +297,31 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     Ok(socket.into())
 }
 
+/// What the admin thread needs besides its listener.
+pub struct AdminState {
+    /// The server's metrics.
+    pub metrics: Arc<Metrics>,
+    /// Worker state (draining flag, close orders).
+    pub shared: Arc<Shared>,
+    /// Bearer token for `POST /drain` and `POST /shed`; `None`: always 401.
+    pub token: Option<String>,
+    /// Starts a drain at the given rate (the main thread runs it, with its
+    /// deadline).
+    pub drain: Box<dyn Fn(f64) + Send>,
+    /// `--drain-rate`, for a `POST /drain` without `rate`.
+    pub default_drain_rate: f64,
+}
+
 /// Serves the admin endpoints on `listener` from a new thread, for the life
 /// of the process.
-pub fn spawn(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    shared: Arc<Shared>,
-) -> io::Result<JoinHandle<()>> {
+pub fn spawn(listener: TcpListener, state: AdminState) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("c10m-admin".into())
         .spawn(move || {
             for stream in listener.incoming() {
                 match stream {
                     Ok(s) => {
-                        if let Err(e) = serve(s, &metrics, &shared) {
+                        if let Err(e) = serve(s, &state) {
                             tracing::debug!(error = %e, "admin connection failed");
                         }
                     }
@@ -212,7 +335,35 @@ pub fn spawn(
         })
 }
 
-fn serve(mut stream: TcpStream, metrics: &Metrics, shared: &Shared) -> io::Result<()> {
+fn act(state: &AdminState, action: Action) -> String {
+    let shared = &state.shared;
+    match action {
+        Action::Drain { rate } => {
+            let rate = rate.unwrap_or(state.default_drain_rate);
+            (state.drain)(rate);
+            format!(
+                "{{\"action\":\"drain\",\"rate\":{rate},\"live\":{}}}",
+                shared.live()
+            )
+        }
+        Action::Shed { count, rate } => {
+            if shared.draining() {
+                return format!(
+                    "{{\"action\":\"shed\",\"ignored\":\"draining\",\"live\":{}}}",
+                    shared.live()
+                );
+            }
+            shared.set_order(CloseOrder::new(CloseReason::Shed, count, rate));
+            format!(
+                "{{\"action\":\"shed\",\"count\":{count},\"rate\":{rate},\"live\":{}}}",
+                shared.live()
+            )
+        }
+    }
+}
+
+fn serve(mut stream: TcpStream, state: &AdminState) -> io::Result<()> {
+    let (metrics, shared) = (&state.metrics, &state.shared);
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let mut buf = vec![0u8; MAX_REQUEST_HEAD];
@@ -232,7 +383,19 @@ fn serve(mut stream: TcpStream, metrics: &Metrics, shared: &Shared) -> io::Resul
                 } else {
                     Health::Serving
                 };
-                let r = route(&req, health, &|f| metrics.encode(f));
+                let encode = |f| {
+                    metrics.refresh_system();
+                    if let Some(o) = shared.order() {
+                        let left = o.count.saturating_sub(o.taken()).min(shared.live());
+                        metrics
+                            .close_pending
+                            .set(i64::try_from(left).unwrap_or(i64::MAX));
+                    }
+                    metrics.encode(f)
+                };
+                let r = route(&req, health, state.token.as_deref(), &encode, &mut |a| {
+                    act(state, a)
+                });
                 break (r, req.method == "HEAD");
             }
         }
@@ -254,7 +417,65 @@ mod tests {
             method: method.into(),
             target: target.into(),
             accept: None,
+            authorization: None,
         }
+    }
+
+    fn route(req: &Request, health: Health, m: &dyn Fn(Format) -> String) -> Response {
+        super::route(req, health, Some("tok"), m, &mut |_| unreachable!())
+    }
+
+    #[test]
+    fn orders_need_the_bearer_token() {
+        let mut got = Vec::new();
+        let mut call = |r: &Request, token: Option<&str>| {
+            super::route(r, Health::Serving, token, &m, &mut |a| {
+                got.push(a);
+                "{}".into()
+            })
+        };
+        let mut r = req("POST", "/shed?count=10&rate=2.5");
+        assert_eq!(call(&r, Some("tok")).status, 401);
+        r.authorization = Some("Bearer nope".into());
+        assert_eq!(call(&r, Some("tok")).status, 401);
+        r.authorization = Some("Basic tok".into());
+        assert_eq!(call(&r, Some("tok")).status, 401);
+        r.authorization = Some("Bearer tok".into());
+        assert_eq!(call(&r, None).status, 401, "no token configured: refused");
+        let ok = call(&r, Some("tok"));
+        assert_eq!((ok.status, ok.body.as_str()), (202, "{}\n"));
+        let mut d = req("POST", "/drain?rate=100");
+        d.authorization = Some("bearer  tok ".into());
+        assert_eq!(call(&d, Some("tok")).status, 202);
+        d.target = "/drain".into();
+        assert_eq!(call(&d, Some("tok")).status, 202);
+        for bad in [
+            "/shed",
+            "/shed?count=-1",
+            "/shed?count=5&rate=-1",
+            "/drain?rate=x",
+            "/shed?count=1&rate=inf",
+        ] {
+            d.target = bad.into();
+            assert_eq!(call(&d, Some("tok")).status, 400, "{bad}");
+        }
+        d.method = "GET".into();
+        let r405 = call(&d, Some("tok"));
+        assert_eq!(
+            (r405.status, r405.headers.clone()),
+            (405, vec![("Allow", "POST")])
+        );
+        assert_eq!(
+            got,
+            [
+                Action::Shed {
+                    count: 10,
+                    rate: 2.5
+                },
+                Action::Drain { rate: Some(100.0) },
+                Action::Drain { rate: None },
+            ]
+        );
     }
 
     #[test]
@@ -312,6 +533,7 @@ mod tests {
                 method: "GET".into(),
                 target: "/metrics".into(),
                 accept: Some("text/plain".into()),
+                authorization: None,
             })
         );
         assert_eq!(parse(b"GET /metrics HTTP/1.1\r\nHo"), Parsed::Partial);

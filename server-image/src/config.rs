@@ -29,9 +29,24 @@ pub const DEFAULT_BACKLOG: i32 = 65_535;
 /// Wire protocol the workers speak on accepted connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Protocol {
-    /// Write back every byte read, unchanged.
+    /// Write back every byte read, unchanged. The load generator's ping is
+    /// a 16-byte message it times until the same 16 bytes come back.
     Echo,
+    /// WebSocket (RFC 6455): HTTP/1.1 upgrade, then text and binary
+    /// messages are echoed, pings answered, closes completed.
+    Websocket,
 }
+
+/// Default seconds a WebSocket upgrade request may take before the
+/// connection is closed (slowloris guard). 10 s is generous for a client
+/// that sends its request right after connecting (one round trip) while
+/// bounding what a slow client can pin. Chosen, not measured.
+pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u32 = 10;
+
+/// Default seconds the server waits for a drain to finish before closing
+/// what is left at once: 25 s, inside Kubernetes' default 30 s
+/// `terminationGracePeriodSeconds` [source: Kubernetes pod lifecycle docs].
+pub const DEFAULT_DRAIN_TIMEOUT_SECS: u64 = 25;
 
 /// `c10m-server` configuration, from flags with environment fallbacks.
 #[derive(Debug, Clone, Parser)]
@@ -84,6 +99,74 @@ pub struct Config {
     /// Protocol spoken on accepted connections.
     #[arg(long, env = "C10M_PROTOCOL", value_enum, default_value_t = Protocol::Echo)]
     pub protocol: Protocol,
+
+    /// Seconds a WebSocket upgrade request may take before the connection is
+    /// closed (enforced within one more second).
+    #[arg(
+        long,
+        env = "C10M_HANDSHAKE_TIMEOUT_SECS",
+        default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub handshake_timeout_secs: u32,
+
+    /// Seconds without a read after which a connection is closed; 0 (the
+    /// default) never closes idle connections, as push-style fleets need.
+    #[arg(long, env = "C10M_IDLE_TIMEOUT_SECS", default_value_t = 0)]
+    pub idle_timeout_secs: u32,
+
+    /// Largest WebSocket frame payload accepted, in bytes; a larger frame
+    /// closes the connection with status 1009.
+    #[arg(
+        long,
+        env = "C10M_MAX_FRAME_BYTES",
+        default_value_t = crate::ws::DEFAULT_MAX_FRAME_BYTES,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1 << 30))
+    )]
+    pub max_frame_bytes: usize,
+
+    /// Connections closed per second when draining on SIGTERM/SIGINT; 0 (the
+    /// default) closes them all at once.
+    #[arg(long, env = "C10M_DRAIN_RATE", default_value_t = 0.0)]
+    pub drain_rate: f64,
+
+    /// Seconds a drain may take; what is still open then is closed at once
+    /// and the process exits.
+    #[arg(long, env = "C10M_DRAIN_TIMEOUT_SECS", default_value_t = DEFAULT_DRAIN_TIMEOUT_SECS)]
+    pub drain_timeout_secs: u64,
+
+    /// File holding the bearer token that `POST /drain` and `POST /shed`
+    /// require (surrounding whitespace ignored). Without a token from this
+    /// file or C10M_ADMIN_TOKEN, those endpoints answer 401.
+    #[arg(long, env = "C10M_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<std::path::PathBuf>,
+
+    /// The bearer token itself (environment only, so it stays out of the
+    /// process list); `--admin-token-file` wins if both are set.
+    #[arg(
+        long = "admin-token",
+        env = "C10M_ADMIN_TOKEN",
+        hide = true,
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+}
+
+impl Config {
+    /// The admin bearer token: from `--admin-token-file` if given, else
+    /// C10M_ADMIN_TOKEN. An empty token counts as none.
+    pub fn admin_token(&self) -> std::io::Result<Option<String>> {
+        let token = match &self.admin_token_file {
+            Some(path) => std::fs::read_to_string(path)?.trim().to_string(),
+            None => self
+                .admin_token
+                .clone()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        };
+        Ok((!token.is_empty()).then_some(token))
+    }
 }
 
 #[cfg(test)]
@@ -111,6 +194,12 @@ mod tests {
         assert_eq!(c.nofile, None);
         assert_eq!(c.backlog, 65_535);
         assert_eq!(c.protocol, Protocol::Echo);
+        assert_eq!(c.handshake_timeout_secs, 10);
+        assert_eq!(c.idle_timeout_secs, 0);
+        assert_eq!(c.max_frame_bytes, 65_536);
+        assert_eq!(c.drain_rate, 0.0);
+        assert_eq!(c.drain_timeout_secs, 25);
+        assert_eq!(c.admin_token().unwrap(), None);
     }
 
     #[test]
@@ -141,13 +230,33 @@ mod tests {
         assert_eq!(c.max_connections, 42);
         assert_eq!(c.nofile, Some(1_048_576));
         assert_eq!(c.backlog, 1024);
+        assert_eq!(c.protocol, Protocol::Echo);
+        let c = parse(&["--protocol", "websocket", "--max-frame-bytes", "100"]).unwrap();
+        assert_eq!((c.protocol, c.max_frame_bytes), (Protocol::Websocket, 100));
+    }
+
+    #[test]
+    fn admin_token_comes_from_file_first() {
+        let dir = std::env::temp_dir().join(format!("c10m-token-{}", std::process::id()));
+        std::fs::write(&dir, "  s3cret\n").unwrap();
+        let mut c = parse(&[]).unwrap();
+        c.admin_token = Some("from-env".into());
+        assert_eq!(c.admin_token().unwrap().as_deref(), Some("from-env"));
+        c.admin_token_file = Some(dir.clone());
+        assert_eq!(c.admin_token().unwrap().as_deref(), Some("s3cret"));
+        std::fs::write(&dir, "\n").unwrap();
+        assert_eq!(c.admin_token().unwrap(), None);
+        std::fs::remove_file(&dir).unwrap();
+        assert!(c.admin_token().is_err(), "a missing token file is an error");
     }
 
     #[test]
     fn rejects_bad_values() {
         assert!(parse(&["--workers", "0"]).is_err());
         assert!(parse(&["--backlog", "0"]).is_err());
-        assert!(parse(&["--protocol", "websocket"]).is_err());
+        assert!(parse(&["--protocol", "http"]).is_err());
+        assert!(parse(&["--max-frame-bytes", "0"]).is_err());
+        assert!(parse(&["--handshake-timeout-secs", "0"]).is_err());
         assert!(parse(&["--bind", "localhost"]).is_err());
         assert!(parse(&["--port", "70000"]).is_err());
     }
@@ -173,6 +282,13 @@ mod tests {
             ("nofile", "C10M_NOFILE"),
             ("backlog", "C10M_BACKLOG"),
             ("protocol", "C10M_PROTOCOL"),
+            ("handshake-timeout-secs", "C10M_HANDSHAKE_TIMEOUT_SECS"),
+            ("idle-timeout-secs", "C10M_IDLE_TIMEOUT_SECS"),
+            ("max-frame-bytes", "C10M_MAX_FRAME_BYTES"),
+            ("drain-rate", "C10M_DRAIN_RATE"),
+            ("drain-timeout-secs", "C10M_DRAIN_TIMEOUT_SECS"),
+            ("admin-token-file", "C10M_ADMIN_TOKEN_FILE"),
+            ("admin-token", "C10M_ADMIN_TOKEN"),
         ];
         for (flag, env) in expected {
             assert!(

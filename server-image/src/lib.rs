@@ -19,7 +19,9 @@ pub mod limits;
 pub mod metrics;
 pub mod server;
 pub mod sysctl;
+pub mod system;
 pub mod worker;
+pub mod ws;
 
 pub use config::{Config, Protocol};
 pub use server::run;

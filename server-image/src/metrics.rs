@@ -91,13 +91,37 @@ pub enum CloseReason {
     Reset,
     /// Any other socket error.
     Error,
-    /// The server closed it while draining on SIGTERM/SIGINT.
+    /// The server closed it while draining (SIGTERM/SIGINT or `POST /drain`).
     Shutdown,
+    /// The server closed it on `POST /shed`.
+    Shed,
+    /// A WebSocket upgrade request did not complete within the handshake
+    /// timeout (slowloris).
+    HandshakeTimeout,
+    /// Nothing was read within the idle timeout (when one is set).
+    IdleTimeout,
+    /// The WebSocket upgrade request was invalid (answered 4xx).
+    BadHandshake,
+    /// A WebSocket protocol violation (closed with 1002 or 1007).
+    ProtocolError,
+    /// A WebSocket frame above `--max-frame-bytes` (closed with 1009).
+    TooLarge,
 }
 
 impl CloseReason {
     /// Every reason, in label order.
-    pub const ALL: [CloseReason; 4] = [Self::Peer, Self::Reset, Self::Error, Self::Shutdown];
+    pub const ALL: [CloseReason; 10] = [
+        Self::Peer,
+        Self::Reset,
+        Self::Error,
+        Self::Shutdown,
+        Self::Shed,
+        Self::HandshakeTimeout,
+        Self::IdleTimeout,
+        Self::BadHandshake,
+        Self::ProtocolError,
+        Self::TooLarge,
+    ];
 
     /// The `reason` label value.
     pub fn as_str(self) -> &'static str {
@@ -106,6 +130,12 @@ impl CloseReason {
             Self::Reset => "reset",
             Self::Error => "error",
             Self::Shutdown => "shutdown",
+            Self::Shed => "shed",
+            Self::HandshakeTimeout => "handshake_timeout",
+            Self::IdleTimeout => "idle_timeout",
+            Self::BadHandshake => "bad_handshake",
+            Self::ProtocolError => "protocol_error",
+            Self::TooLarge => "too_large",
         }
     }
 }
@@ -168,6 +198,22 @@ pub struct RejectLabel {
     pub reason: RejectReason,
 }
 
+/// Label set `{state="..."}` for `c10m_tcp_sockets`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SockLabel {
+    /// `inuse`, `orphan`, `tw` or `alloc` (the fields of /proc/net/sockstat).
+    pub state: &'static str,
+}
+
+/// Label set `{name="...",field="..."}` for `c10m_kernel_sysctl`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SysctlLabel {
+    /// Sysctl name, e.g. `net.ipv4.tcp_mem`.
+    pub name: &'static str,
+    /// Field of a multi-value sysctl (`min`, `pressure`, `max`, ...) or `value`.
+    pub field: &'static str,
+}
+
 /// All server metrics and the registry that exposes them.
 #[derive(Debug)]
 pub struct Metrics {
@@ -187,6 +233,13 @@ pub struct Metrics {
     pub draining: Gauge,
     /// `c10m_workers`: worker threads (one listener and event loop each).
     pub workers: Gauge,
+    /// `c10m_shedding`: connections still to close on the current
+    /// `POST /shed` or drain order (0 when none is running).
+    pub close_pending: Gauge,
+    tcp_sockets: Family<SockLabel, Gauge>,
+    tcp_memory: Gauge,
+    resident: Gauge,
+    sysctl: Family<SysctlLabel, Gauge>,
 }
 
 /// One worker's metric handles: atomics shared with the registry, so
@@ -232,6 +285,11 @@ impl Metrics {
             fd_limit: Gauge::default(),
             draining: Gauge::default(),
             workers: Gauge::default(),
+            close_pending: Gauge::default(),
+            tcp_sockets: Family::default(),
+            tcp_memory: Gauge::default(),
+            resident: Gauge::default(),
+            sysctl: Family::default(),
             registry: Registry::default(),
         };
         let registry = &mut m.registry;
@@ -287,6 +345,37 @@ impl Metrics {
             Unit::Bytes,
             m.sent.clone(),
         );
+        registry.register(
+            "c10m_close_pending",
+            "Connections still to close under the running drain or shed order",
+            m.close_pending.clone(),
+        );
+        registry.register(
+            "c10m_tcp_sockets",
+            "TCP sockets from /proc/net/sockstat by state (inuse and tw per network namespace, orphan and alloc node-wide)",
+            m.tcp_sockets.clone(),
+        );
+        registry.register_with_unit(
+            "c10m_tcp_memory",
+            "Memory charged against net.ipv4.tcp_mem (node-wide, /proc/net/sockstat TCP mem times the page size)",
+            Unit::Bytes,
+            m.tcp_memory.clone(),
+        );
+        registry.register(
+            "c10m_kernel_sysctl",
+            "Kernel settings read at start (tcp_mem in pages, tcp_rmem and tcp_wmem in bytes)",
+            m.sysctl.clone(),
+        );
+        // The process collector's conventional name, so stock dashboards work.
+        registry.register_with_unit(
+            "process_resident_memory",
+            "Resident memory of the server process",
+            Unit::Bytes,
+            m.resident.clone(),
+        );
+        for state in ["inuse", "orphan", "tw", "alloc"] {
+            m.tcp_sockets.get_or_create_owned(&SockLabel { state });
+        }
         for w in 0..workers {
             let l = WorkerLabel { worker: w };
             m.connections.get_or_create_owned(&l);
@@ -316,6 +405,37 @@ impl Metrics {
                 .map(|reason| self.closed.get_or_create_owned(&CloseLabel { reason })),
             rejected: RejectReason::ALL
                 .map(|reason| self.rejected.get_or_create_owned(&RejectLabel { reason })),
+        }
+    }
+
+    /// Records the kernel settings read at start (see
+    /// [`crate::system::read_sysctls`]).
+    pub fn set_sysctls(&self, values: &[(&'static str, &'static str, i64)]) {
+        for &(name, field, v) in values {
+            self.sysctl
+                .get_or_create_owned(&SysctlLabel { name, field })
+                .set(v);
+        }
+    }
+
+    /// Re-reads what the kernel reports (sockstat, resident memory); called
+    /// before each scrape.
+    pub fn refresh_system(&self) {
+        if let Some(s) = crate::system::sockstat() {
+            let set = |state, v: u64| {
+                self.tcp_sockets
+                    .get_or_create_owned(&SockLabel { state })
+                    .set(i64::try_from(v).unwrap_or(i64::MAX));
+            };
+            set("inuse", s.inuse);
+            set("orphan", s.orphan);
+            set("tw", s.tw);
+            set("alloc", s.alloc);
+            self.tcp_memory
+                .set(i64::try_from(s.mem_pages * crate::system::PAGE_BYTES).unwrap_or(i64::MAX));
+        }
+        if let Some(rss) = crate::system::resident_bytes() {
+            self.resident.set(i64::try_from(rss).unwrap_or(i64::MAX));
         }
     }
 

@@ -2,8 +2,9 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -21,13 +22,17 @@ use crate::{admin, limits::connection_cap};
 enum Event {
     /// SIGTERM or SIGINT arrived.
     Signal(i32),
+    /// `POST /drain` with this rate (connections per second; 0: at once).
+    Drain(f64),
     /// A worker's loop ended; `Err` holds its error.
     WorkerExited(u32, Result<(), String>),
 }
 
-/// Runs the server until SIGTERM or SIGINT, then drains: stops accepting,
-/// closes every connection (peers read EOF) and returns `Ok`. A second
-/// signal during the drain exits at once with status 1. Returns `Err` if
+/// Runs the server until SIGTERM, SIGINT or `POST /drain`, then drains:
+/// stops accepting, closes every connection at the drain rate with a
+/// protocol goodbye (WebSocket close 1001; FIN for echo), and returns `Ok`
+/// once all are closed or, at the drain deadline, after closing the rest at
+/// once. A second signal exits at once with status 1. Returns `Err` if
 /// start-up fails or a worker dies.
 pub fn run(config: Config) -> anyhow::Result<()> {
     // Limits first: everything after opens descriptors.
@@ -73,10 +78,19 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     // the conditional exit must be registered before the flag-setting
     // iterator to run first.
     let draining = Arc::new(AtomicBool::new(false));
+    let signalled = Arc::new(AtomicBool::new(false));
     for sig in [SIGTERM, SIGINT] {
-        flag::register_conditional_shutdown(sig, 1, Arc::clone(&draining))
+        flag::register_conditional_shutdown(sig, 1, Arc::clone(&signalled))
             .context("registering signal handlers")?;
+        flag::register(sig, Arc::clone(&signalled)).context("registering signal handlers")?;
     }
+    let token = config.admin_token().context("reading --admin-token-file")?;
+    if token.is_none() {
+        tracing::info!(
+            "no admin token (--admin-token-file, C10M_ADMIN_TOKEN): POST /drain and /shed answer 401"
+        );
+    }
+    metrics.set_sysctls(&crate::system::read_sysctls(std::path::Path::new("/proc")));
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("registering signal handlers")?;
 
     let addr = SocketAddr::new(config.bind, config.port);
@@ -97,7 +111,12 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             id,
             listener,
             cpu: limits::cpu_for_worker(id as usize, &cpus),
-            protocol: config.protocol,
+            limits: worker::Limits {
+                protocol: config.protocol,
+                handshake_timeout_secs: config.handshake_timeout_secs,
+                idle_timeout_secs: config.idle_timeout_secs,
+                max_frame_bytes: config.max_frame_bytes,
+            },
         };
         let on_exit = move |id, r: &std::io::Result<()>| {
             let r = r.as_ref().map(|_| ()).map_err(|e| e.to_string());
@@ -107,8 +126,21 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             .with_context(|| format!("starting worker {id}"))?;
         handles.push(handle);
     }
-    admin::spawn(admin_listener, Arc::clone(&metrics), Arc::clone(&shared))
-        .context("starting admin thread")?;
+    shared.set_wakers(handles.iter().map(|h| Arc::clone(&h.waker)).collect());
+    let drain_tx = Mutex::new(tx.clone());
+    let state = admin::AdminState {
+        metrics: Arc::clone(&metrics),
+        shared: Arc::clone(&shared),
+        token,
+        drain: Box::new(move |rate| {
+            let _ = drain_tx
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .send(Event::Drain(rate));
+        }),
+        default_drain_rate: config.drain_rate,
+    };
+    admin::spawn(admin_listener, state).context("starting admin thread")?;
 
     let signal_handle = signals.handle();
     {
@@ -138,21 +170,43 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     );
 
     let mut failure = None;
-    match rx.recv() {
-        Ok(Event::Signal(sig)) => tracing::info!(signal = sig, "draining"),
+    let rate = match rx.recv() {
+        Ok(Event::Signal(sig)) => {
+            tracing::info!(signal = sig, rate = config.drain_rate, "draining");
+            config.drain_rate
+        }
+        Ok(Event::Drain(rate)) => {
+            tracing::info!(rate, "draining on POST /drain");
+            rate
+        }
         Ok(Event::WorkerExited(id, r)) => {
             tracing::error!(worker = id, result = ?r, "worker stopped unexpectedly; shutting down");
             failure = Some(format!("worker {id} stopped: {r:?}"));
+            0.0
         }
         Err(_) => bail!("all workers and the signal thread are gone"),
-    }
+    };
 
-    // Drain: stop accepting, close every connection, exit.
-    draining.store(true, Ordering::Release);
+    // Drain: stop accepting, close connections at the rate, exit when all
+    // workers are empty or at the deadline.
     metrics.draining.set(1);
-    for h in &handles {
-        if let Err(e) = h.waker.wake() {
-            tracing::warn!(worker = h.id, error = %e, "could not wake worker");
+    shared.start_drain(rate);
+    let deadline = Instant::now() + Duration::from_secs(config.drain_timeout_secs);
+    let mut exited = 0;
+    while exited < handles.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Event::WorkerExited(..)) => exited += 1,
+            Ok(_) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                tracing::warn!(
+                    live = shared.live(),
+                    "drain deadline reached; closing the rest"
+                );
+                shared.force_close();
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
     for h in handles {

@@ -8,6 +8,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use slab::Slab;
 use socket2::{Domain, Socket, Type};
 
 use crate::config::Protocol;
-use crate::conn::{Conn, Status, Traffic};
+use crate::conn::{Conn, Ctx, Phase, Status, Traffic};
 use crate::limits;
 use crate::metrics::{CloseReason, RejectReason, WorkerMetrics};
 
@@ -42,12 +43,96 @@ pub const EVENTS_CAPACITY: usize = 1024;
 /// Minimum time between two identical accept-error warnings from one worker.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-/// State the workers and the main thread share.
+/// An order to close connections at a bounded rate: a drain (SIGTERM or
+/// `POST /drain`, every connection) or a shed (`POST /shed`, `count` of
+/// them while still accepting). Workers claim closes from it; the total
+/// claimed never runs ahead of `rate × elapsed`, whichever worker claims.
+#[derive(Debug)]
+pub struct CloseOrder {
+    /// Reason the closes are counted under.
+    pub reason: CloseReason,
+    /// Connections to close (`u64::MAX`: all of them).
+    pub count: u64,
+    /// Closes per second over all workers; 0 means no limit.
+    pub rate: f64,
+    start: Instant,
+    taken: AtomicU64,
+}
+
+impl CloseOrder {
+    /// An order starting now.
+    pub fn new(reason: CloseReason, count: u64, rate: f64) -> Self {
+        CloseOrder {
+            reason,
+            count,
+            rate: if rate.is_finite() && rate > 0.0 {
+                rate
+            } else {
+                0.0
+            },
+            start: Instant::now(),
+            taken: AtomicU64::new(0),
+        }
+    }
+
+    /// Closes allowed by `now` in total: one at once, then `rate` per
+    /// second, never more than `count`.
+    pub fn allowed(&self, now: Instant) -> u64 {
+        if self.rate == 0.0 {
+            return self.count;
+        }
+        let secs = now.saturating_duration_since(self.start).as_secs_f64();
+        let n = (self.rate * secs).floor() + 1.0;
+        if n >= self.count as f64 {
+            self.count
+        } else {
+            n as u64
+        }
+    }
+
+    /// Claims up to `want` closes allowed by `now`; returns how many.
+    pub fn claim(&self, want: u64, now: Instant) -> u64 {
+        let allowed = self.allowed(now);
+        let mut got = 0;
+        let _ = self
+            .taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                got = allowed.saturating_sub(t).min(want);
+                (got > 0).then_some(t + got)
+            });
+        got
+    }
+
+    /// Closes claimed so far.
+    pub fn taken(&self) -> u64 {
+        self.taken.load(Ordering::Acquire)
+    }
+
+    /// Gives back `n` claimed closes a worker could not use (it ran out of
+    /// connections), so another worker may take them.
+    pub fn unclaim(&self, n: u64) {
+        if n > 0 {
+            self.taken.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Whether every close of the order has been claimed.
+    pub fn done(&self) -> bool {
+        self.taken() >= self.count
+    }
+}
+
+/// State the workers, the admin thread and the main thread share.
 #[derive(Debug)]
 pub struct Shared {
     live: AtomicU64,
     cap: u64,
     draining: Arc<AtomicBool>,
+    /// Drain deadline passed: close what is left at once.
+    force: AtomicBool,
+    order: Mutex<Option<Arc<CloseOrder>>>,
+    order_gen: AtomicU64,
+    wakers: OnceLock<Vec<Arc<Waker>>>,
 }
 
 impl Shared {
@@ -58,6 +143,10 @@ impl Shared {
             live: AtomicU64::new(0),
             cap,
             draining,
+            force: AtomicBool::new(false),
+            order: Mutex::new(None),
+            order_gen: AtomicU64::new(0),
+            wakers: OnceLock::new(),
         }
     }
 
@@ -84,6 +173,53 @@ impl Shared {
     /// Whether the server is draining.
     pub fn draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
+    }
+
+    /// Records the workers' wakers (once, after they started).
+    pub fn set_wakers(&self, wakers: Vec<Arc<Waker>>) {
+        let _ = self.wakers.set(wakers);
+    }
+
+    /// Wakes every worker's event loop.
+    pub fn wake_all(&self) {
+        for w in self.wakers.get().into_iter().flatten() {
+            if let Err(e) = w.wake() {
+                tracing::warn!(error = %e, "could not wake worker");
+            }
+        }
+    }
+
+    /// Starts a drain: stop accepting, then close every connection at
+    /// `rate` per second (0: all at once) with a protocol goodbye.
+    pub fn start_drain(&self, rate: f64) {
+        self.draining.store(true, Ordering::Release);
+        self.set_order(CloseOrder::new(CloseReason::Shutdown, u64::MAX, rate));
+    }
+
+    /// Replaces the running close order (if any) and wakes the workers.
+    pub fn set_order(&self, order: CloseOrder) {
+        *self.order.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(order));
+        self.order_gen.fetch_add(1, Ordering::AcqRel);
+        self.wake_all();
+    }
+
+    /// The running close order, if any.
+    pub fn order(&self) -> Option<Arc<CloseOrder>> {
+        self.order.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn order_gen(&self) -> u64 {
+        self.order_gen.load(Ordering::Acquire)
+    }
+
+    /// The drain deadline passed: workers close what is left at once.
+    pub fn force_close(&self) {
+        self.force.store(true, Ordering::Release);
+        self.wake_all();
+    }
+
+    fn forced(&self) -> bool {
+        self.force.load(Ordering::Acquire)
     }
 }
 
@@ -130,10 +266,23 @@ pub fn bind_listeners(
 pub struct WorkerHandle {
     /// Worker index.
     pub id: u32,
-    /// Wakes the worker's event loop (to notice the draining flag).
+    /// Wakes the worker's event loop (to notice a drain or shed order).
     pub waker: Arc<Waker>,
     /// The worker thread; it returns once the worker has closed everything.
     pub thread: JoinHandle<io::Result<()>>,
+}
+
+/// Protocol and limits a worker applies to every connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Protocol spoken on accepted connections.
+    pub protocol: Protocol,
+    /// WebSocket: seconds an upgrade request may take (slowloris guard).
+    pub handshake_timeout_secs: u32,
+    /// Seconds without a read before a connection is closed; 0: never.
+    pub idle_timeout_secs: u32,
+    /// WebSocket: largest frame payload, in bytes.
+    pub max_frame_bytes: usize,
 }
 
 /// How to start one worker.
@@ -145,8 +294,8 @@ pub struct WorkerSpec {
     pub listener: std::net::TcpListener,
     /// CPU to pin the thread to, if any.
     pub cpu: Option<usize>,
-    /// Protocol spoken on accepted connections.
-    pub protocol: Protocol,
+    /// Protocol and limits.
+    pub limits: Limits,
 }
 
 /// Starts a worker thread. `on_exit` runs on the worker thread when its loop
@@ -170,9 +319,16 @@ pub fn spawn(
         listener: Some(listener),
         shared,
         metrics,
-        protocol: spec.protocol,
+        limits: spec.limits,
         spare: open_spare(),
         last_warn: None,
+        start: Instant::now(),
+        order: None,
+        order_gen: 0,
+        cursor: 0,
+        out: Vec::new(),
+        doomed: Vec::new(),
+        last_sweep: 0,
     };
     let cpu = spec.cpu;
     let thread = std::thread::Builder::new()
@@ -196,49 +352,102 @@ fn open_spare() -> Option<File> {
     File::open("/dev/null").ok()
 }
 
+/// Event-loop wake-up period while a close order runs, so closes follow the
+/// order's rate within 10 ms. Chosen, not measured.
+pub const ORDER_TICK: Duration = Duration::from_millis(10);
+
+/// Most connections one worker closes per wake-up under an order, so a fast
+/// order does not stall the loop for long. Chosen, not measured.
+pub const ORDER_BATCH: u64 = 1024;
+
 struct Worker {
     id: u32,
     poll: Poll,
     listener: Option<TcpListener>,
     shared: Arc<Shared>,
     metrics: WorkerMetrics,
-    protocol: Protocol,
+    limits: Limits,
     spare: Option<File>,
     last_warn: Option<Instant>,
+    start: Instant,
+    order: Option<Arc<CloseOrder>>,
+    order_gen: u64,
+    /// Slab key where the next order batch starts looking.
+    cursor: usize,
+    /// Reply buffer shared by all connections (left empty between uses).
+    out: Vec<u8>,
+    /// Keys to close, collected by a sweep or an order batch.
+    doomed: Vec<(usize, CloseReason)>,
+    last_sweep: u32,
 }
 
+type Conns = Slab<Conn<TcpStream>>;
+
 impl Worker {
+    /// Seconds since the worker started (the connections' timestamps).
+    fn tick(&self) -> u32 {
+        self.start.elapsed().as_secs() as u32
+    }
+
+    fn sweeps(&self) -> bool {
+        self.limits.protocol == Protocol::Websocket || self.limits.idle_timeout_secs > 0
+    }
+
     fn run(mut self) -> io::Result<()> {
         let mut events = Events::with_capacity(EVENTS_CAPACITY);
         let mut scratch = vec![0u8; SCRATCH_BYTES].into_boxed_slice();
-        let mut conns: Slab<Conn<TcpStream>> = Slab::new();
+        let mut conns: Conns = Slab::new();
         loop {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            let timeout = if self.order.is_some() {
+                Some(ORDER_TICK)
+            } else if self.sweeps() && !conns.is_empty() {
+                // Wake at the next whole second of the worker's clock.
+                let e = self.start.elapsed();
+                Some(Duration::from_secs(e.as_secs() + 1) - e)
+            } else {
+                None
+            };
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == ErrorKind::Interrupted {
                     continue;
                 }
                 self.close_all(&mut conns, CloseReason::Error);
                 return Err(e);
             }
-            let mut drain = false;
+            let now = self.tick();
             for event in events.iter() {
                 match event.token() {
-                    LISTENER => self.accept_all(&mut conns),
-                    WAKER => drain |= self.shared.draining(),
-                    Token(key) => self.drive(&mut conns, key, &mut scratch),
+                    LISTENER => self.accept_all(&mut conns, now),
+                    WAKER => {}
+                    Token(key) => self.drive(&mut conns, key, &mut scratch, now),
                 }
             }
-            if drain || self.shared.draining() {
+            if self.shared.draining() {
                 self.stop_accepting();
+            }
+            if self.shared.order_gen() != self.order_gen {
+                self.order_gen = self.shared.order_gen();
+                self.order = self.shared.order();
+            }
+            if self.shared.forced() {
                 self.close_all(&mut conns, CloseReason::Shutdown);
+            }
+            if self.order.is_some() {
+                self.run_order(&mut conns);
+            }
+            if self.shared.draining() && conns.is_empty() {
                 tracing::debug!(worker = self.id, "worker drained");
                 return Ok(());
+            }
+            if self.sweeps() && now != self.last_sweep {
+                self.last_sweep = now;
+                self.sweep(&mut conns, now);
             }
         }
     }
 
     /// Accepts until the queue is empty (edge-triggered).
-    fn accept_all(&mut self, conns: &mut Slab<Conn<TcpStream>>) {
+    fn accept_all(&mut self, conns: &mut Conns, now: u32) {
         loop {
             if self.shared.draining() {
                 return;
@@ -247,7 +456,7 @@ impl Worker {
                 return;
             };
             match listener.accept() {
-                Ok((stream, _peer)) => self.admit(conns, stream.into()),
+                Ok((stream, _peer)) => self.admit(conns, stream.into(), now),
                 Err(e) => match e.kind() {
                     ErrorKind::WouldBlock => return,
                     ErrorKind::Interrupted | ErrorKind::ConnectionAborted => {}
@@ -267,7 +476,7 @@ impl Worker {
     }
 
     /// Holds `stream` if the cap allows, else closes it (counted as rejected).
-    fn admit(&mut self, conns: &mut Slab<Conn<TcpStream>>, stream: TcpStream) {
+    fn admit(&mut self, conns: &mut Conns, stream: TcpStream, now: u32) {
         if !self.shared.try_admit() {
             // Closing sends FIN: the client reads EOF, no reset.
             drop(stream);
@@ -286,7 +495,11 @@ impl Worker {
         );
         match registered {
             Ok(()) => {
-                entry.insert(Conn::new(stream));
+                let phase = match self.limits.protocol {
+                    Protocol::Echo => Phase::Open,
+                    Protocol::Websocket => Phase::Handshake,
+                };
+                entry.insert(Conn::new(stream, phase, now));
                 self.metrics.connections.inc();
             }
             Err(e) => {
@@ -327,15 +540,23 @@ impl Worker {
     }
 
     /// Runs the protocol on a ready connection and updates its interest.
-    fn drive(&mut self, conns: &mut Slab<Conn<TcpStream>>, key: usize, scratch: &mut [u8]) {
+    fn drive(&mut self, conns: &mut Conns, key: usize, scratch: &mut [u8], now: u32) {
         let Some(conn) = conns.get_mut(key) else {
             return; // closed earlier in this batch of events
         };
-        let was_blocked = conn.unsent.is_some();
-        let mut traffic = Traffic::default();
-        let status = match self.protocol {
-            Protocol::Echo => conn.echo(scratch, &mut traffic),
+        let was_blocked = conn.has_unsent();
+        let mut ctx = Ctx {
+            scratch,
+            out: &mut self.out,
+            max_frame: self.limits.max_frame_bytes,
+            now,
+            traffic: Traffic::default(),
         };
+        let status = match self.limits.protocol {
+            Protocol::Echo => conn.echo(&mut ctx),
+            Protocol::Websocket => conn.websocket(&mut ctx),
+        };
+        let traffic = ctx.traffic;
         if traffic.received > 0 {
             self.metrics.received_bytes.inc_by(traffic.received);
         }
@@ -366,12 +587,93 @@ impl Worker {
         }
     }
 
-    fn close(&mut self, conns: &mut Slab<Conn<TcpStream>>, key: usize, reason: CloseReason) {
+    fn close(&mut self, conns: &mut Conns, key: usize, reason: CloseReason) {
         // Closing the descriptor also removes it from the epoll set.
         drop(conns.remove(key));
         self.shared.release();
         self.metrics.connections.dec();
         self.metrics.closed(reason).inc();
+    }
+
+    /// Closes with a protocol goodbye (WebSocket close 1001), then FIN.
+    fn close_politely(&mut self, conns: &mut Conns, key: usize, reason: CloseReason) {
+        if let Some(conn) = conns.get_mut(key) {
+            let mut t = Traffic::default();
+            conn.goodbye(
+                self.limits.protocol == Protocol::Websocket,
+                &mut self.out,
+                &mut t,
+            );
+            self.metrics.sent_bytes.inc_by(t.sent);
+            // FIN first, so the peer reads EOF even if its last bytes are
+            // still unread here (a bare close would then send RST).
+            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        }
+        self.close(conns, key, reason);
+    }
+
+    /// Closes what the running order allows now, starting at the cursor.
+    fn run_order(&mut self, conns: &mut Conns) {
+        let Some(order) = self.order.clone() else {
+            return;
+        };
+        if order.done() {
+            self.order = None;
+            return;
+        }
+        let want = (conns.len() as u64).min(ORDER_BATCH);
+        let got = order.claim(want, Instant::now());
+        let mut left = got;
+        let cap = conns.capacity();
+        let mut scanned = 0;
+        self.doomed.clear();
+        while left > 0 && scanned < cap {
+            if self.cursor >= cap {
+                self.cursor = 0;
+            }
+            if conns.contains(self.cursor) {
+                self.doomed.push((self.cursor, order.reason));
+                left -= 1;
+            }
+            self.cursor += 1;
+            scanned += 1;
+        }
+        order.unclaim(left);
+        let doomed = std::mem::take(&mut self.doomed);
+        for &(key, reason) in &doomed {
+            self.close_politely(conns, key, reason);
+        }
+        self.doomed = doomed;
+    }
+
+    /// Once a second: closes WebSocket connections whose upgrade is overdue
+    /// and, with an idle timeout, connections that read nothing for that
+    /// long. Walks the slab (tens of microseconds per 10k connections) so
+    /// that no per-connection timer exists.
+    fn sweep(&mut self, conns: &mut Conns, now: u32) {
+        let hs = self.limits.handshake_timeout_secs;
+        let idle = self.limits.idle_timeout_secs;
+        self.doomed.clear();
+        for (key, c) in conns.iter() {
+            let age = now.wrapping_sub(c.since());
+            match c.phase() {
+                Phase::Handshake if age >= hs => {
+                    self.doomed.push((key, CloseReason::HandshakeTimeout));
+                }
+                Phase::Open if idle > 0 && age >= idle => {
+                    self.doomed.push((key, CloseReason::IdleTimeout));
+                }
+                _ => {}
+            }
+        }
+        let doomed = std::mem::take(&mut self.doomed);
+        for &(key, reason) in &doomed {
+            self.close_politely(conns, key, reason);
+        }
+        self.doomed = doomed;
+        if self.doomed.capacity() > 4 * ORDER_BATCH as usize {
+            self.doomed = Vec::new();
+        }
     }
 
     fn stop_accepting(&mut self) {
@@ -380,17 +682,11 @@ impl Worker {
         }
     }
 
-    fn close_all(&mut self, conns: &mut Slab<Conn<TcpStream>>, reason: CloseReason) {
-        let n = conns.len() as u64;
-        for conn in conns.drain() {
-            // FIN first, so the peer reads EOF even if its last bytes are
-            // still unread here (a bare close would then send RST).
-            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
-            drop(conn);
-            self.shared.release();
+    fn close_all(&mut self, conns: &mut Conns, reason: CloseReason) {
+        let keys: Vec<usize> = conns.iter().map(|(k, _)| k).collect();
+        for key in keys {
+            self.close_politely(conns, key, reason);
         }
-        self.metrics.connections.dec_by(n as i64);
-        self.metrics.closed(reason).inc_by(n);
     }
 }
 
@@ -424,6 +720,27 @@ mod tests {
         let shared = Shared::new(0, Arc::new(AtomicBool::new(false)));
         assert!(!shared.try_admit());
         assert_eq!(shared.live(), 0);
+    }
+
+    #[test]
+    fn close_order_follows_its_rate_and_count() {
+        let o = CloseOrder::new(CloseReason::Shed, 100, 50.0);
+        let t0 = o.start;
+        // One at once, then 50 per second, never more than asked.
+        assert_eq!(o.claim(10, t0), 1);
+        assert_eq!(o.claim(10, t0), 0);
+        assert_eq!(o.claim(100, t0 + Duration::from_millis(500)), 25);
+        assert_eq!(o.taken(), 26);
+        o.unclaim(6);
+        assert_eq!(o.claim(3, t0 + Duration::from_millis(500)), 3);
+        assert_eq!(o.claim(1000, t0 + Duration::from_secs(60)), 77);
+        assert!(o.done());
+        assert_eq!(o.claim(1, t0 + Duration::from_secs(61)), 0);
+        // No rate: everything at once.
+        let all = CloseOrder::new(CloseReason::Shutdown, u64::MAX, 0.0);
+        assert_eq!(all.claim(5000, all.start), 5000);
+        assert!(!all.done());
+        assert_eq!(CloseOrder::new(CloseReason::Shed, 3, f64::NAN).rate, 0.0);
     }
 
     #[test]

@@ -632,11 +632,11 @@ fn low_fd_limit_caps_connections_below_it() {
 #[test]
 fn bad_flags_exit_nonzero() {
     let out = Command::new(BIN)
-        .args(["--protocol", "websocket"])
+        .args(["--protocol", "gopher"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("websocket"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("gopher"));
 
     let out = Command::new(BIN).arg("--help").output().unwrap();
     assert!(out.status.success());

@@ -1,0 +1,755 @@
+//! WebSocket (RFC 6455) as pure functions over byte slices: the HTTP/1.1
+//! upgrade ([`handshake`]) and the frame processor ([`process`]) that echoes
+//! data frames, answers pings, completes the close handshake and fails the
+//! connection with the right status code on protocol errors.
+//!
+//! Nothing here does I/O or keeps a buffer: the caller (`conn`) feeds the
+//! bytes it has, gets back how many were consumed and what to write. Bytes of
+//! an incomplete frame stay with the caller until more arrive, so an idle
+//! connection (no partial frame, no fragmented message in flight) holds
+//! nothing. The parsers are fuzzed (`server-image/fuzz`).
+
+use base64::Engine as _;
+use sha1::{Digest, Sha1};
+
+/// GUID appended to `Sec-WebSocket-Key` before hashing [RFC 6455 §1.3].
+pub const ACCEPT_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
+
+/// Largest upgrade request head accepted, in bytes; larger is answered 431.
+/// Browsers send 0.5–2 KiB; 8 KiB is the common server limit (nginx's
+/// `large_client_header_buffers` default) [source: nginx docs].
+pub const MAX_HANDSHAKE_BYTES: usize = 8 * 1024;
+
+/// Headers parsed in an upgrade request; more is answered 431.
+pub const MAX_HANDSHAKE_HEADERS: usize = 32;
+
+/// Largest payload of a control frame (ping, pong, close), in bytes
+/// [RFC 6455 §5.5].
+pub const MAX_CONTROL_PAYLOAD: usize = 125;
+
+/// Default largest frame payload accepted, in bytes (`--max-frame-bytes`).
+/// A frame is buffered until complete, so this bounds what one connection
+/// can make the server hold: 64 KiB, the payload size most push and chat
+/// protocols stay far below. Chosen, not measured.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024;
+
+/// Close status codes the server sends [RFC 6455 §7.4.1].
+pub mod code {
+    /// Normal closure.
+    pub const NORMAL: u16 = 1000;
+    /// Going away: the server is draining or shedding connections.
+    pub const GOING_AWAY: u16 = 1001;
+    /// Protocol error.
+    pub const PROTOCOL_ERROR: u16 = 1002;
+    /// Invalid frame payload data (text that is not UTF-8).
+    pub const INVALID_PAYLOAD: u16 = 1007;
+    /// Message too big (a frame above `--max-frame-bytes`).
+    pub const TOO_BIG: u16 = 1009;
+}
+
+/// Frame opcodes [RFC 6455 §5.2].
+pub mod opcode {
+    /// Continuation of a fragmented message.
+    pub const CONTINUATION: u8 = 0x0;
+    /// Text data frame.
+    pub const TEXT: u8 = 0x1;
+    /// Binary data frame.
+    pub const BINARY: u8 = 0x2;
+    /// Close control frame.
+    pub const CLOSE: u8 = 0x8;
+    /// Ping control frame.
+    pub const PING: u8 = 0x9;
+    /// Pong control frame.
+    pub const PONG: u8 = 0xA;
+}
+
+/// What an upgrade request turned out to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Handshake {
+    /// The request head is not complete yet.
+    Partial,
+    /// A valid upgrade: write `response` (101) and switch to frames; the
+    /// request head was `consumed` bytes long (bytes after it are frames).
+    Accept {
+        /// The 101 response to write.
+        response: Vec<u8>,
+        /// Length of the request head.
+        consumed: usize,
+    },
+    /// Not a valid upgrade: write `response` (4xx) and close.
+    Reject {
+        /// The error response to write.
+        response: Vec<u8>,
+    },
+}
+
+/// `Sec-WebSocket-Accept` for a `Sec-WebSocket-Key` [RFC 6455 §4.2.2]:
+/// base64(SHA-1(key + GUID)).
+pub fn accept_key(key: &[u8]) -> String {
+    let mut h = Sha1::new();
+    h.update(key);
+    h.update(ACCEPT_GUID.as_bytes());
+    base64::engine::general_purpose::STANDARD.encode(h.finalize())
+}
+
+fn has_token(value: &[u8], token: &str) -> bool {
+    value
+        .split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+fn reject(status: u16, reason: &str, extra: &str) -> Handshake {
+    Handshake::Reject {
+        response: format!(
+            "HTTP/1.1 {status} {reason}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .into_bytes(),
+    }
+}
+
+/// Parses an HTTP/1.1 upgrade request (with `httparse`) and answers it
+/// [RFC 6455 §4.2.1]: `GET`, HTTP/1.1, `Upgrade: websocket`,
+/// `Connection: Upgrade`, `Sec-WebSocket-Version: 13` (else 426 naming 13),
+/// and a `Sec-WebSocket-Key` that decodes to 16 bytes. Anything else is 400;
+/// a head over [`MAX_HANDSHAKE_BYTES`] or with too many headers is 431.
+pub fn handshake(buf: &[u8]) -> Handshake {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HANDSHAKE_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let consumed = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HANDSHAKE_BYTES => {
+            return reject(431, "Request Header Fields Too Large", "");
+        }
+        Ok(httparse::Status::Partial) => return Handshake::Partial,
+        Err(httparse::Error::TooManyHeaders) => {
+            return reject(431, "Request Header Fields Too Large", "");
+        }
+        Err(_) => return reject(400, "Bad Request", ""),
+    };
+    if consumed > MAX_HANDSHAKE_BYTES {
+        return reject(431, "Request Header Fields Too Large", "");
+    }
+    if req.method != Some("GET") || req.version != Some(1) {
+        return reject(400, "Bad Request", "");
+    }
+    let header = |name: &str| {
+        req.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value)
+    };
+    let upgrade = header("upgrade").is_some_and(|v| has_token(v, "websocket"));
+    let connection = header("connection").is_some_and(|v| has_token(v, "upgrade"));
+    if !upgrade || !connection {
+        return reject(400, "Bad Request", "");
+    }
+    if header("sec-websocket-version").map(<[u8]>::trim_ascii) != Some(b"13") {
+        return reject(426, "Upgrade Required", "Sec-WebSocket-Version: 13\r\n");
+    }
+    let Some(key) = header("sec-websocket-key").map(<[u8]>::trim_ascii) else {
+        return reject(400, "Bad Request", "");
+    };
+    let decoded = base64::engine::general_purpose::STANDARD.decode(key);
+    if decoded.map(|k| k.len()) != Ok(16) {
+        return reject(400, "Bad Request", "");
+    }
+    let response = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Accept: {}\r\n\r\n",
+        accept_key(key)
+    )
+    .into_bytes();
+    Handshake::Accept { response, consumed }
+}
+
+/// A frame header as read off the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// FIN bit: last frame of a message.
+    pub fin: bool,
+    /// RSV1–3 bits (must be 0: no extension is negotiated).
+    pub rsv: u8,
+    /// Opcode (see [`opcode`]).
+    pub opcode: u8,
+    /// Masking key, if the MASK bit is set.
+    pub mask: Option<[u8; 4]>,
+    /// Payload length, in bytes.
+    pub len: u64,
+    /// Header length, in bytes (2 to 14).
+    pub header_len: usize,
+}
+
+/// Parses a frame header [RFC 6455 §5.2]. `None` if `buf` does not hold all
+/// of it yet. Lengths are taken as sent (including non-minimal encodings,
+/// which RFC 6455 forbids but no client depends on the server rejecting); a
+/// 64-bit length with the top bit set is a protocol error.
+pub fn parse_header(buf: &[u8]) -> Result<Option<Header>, u16> {
+    let [b0, b1, ..] = *buf else {
+        return Ok(None);
+    };
+    let masked = b1 & 0x80 != 0;
+    let (len, mut n) = match b1 & 0x7f {
+        126 => match buf.get(2..4) {
+            Some(b) => (u64::from(u16::from_be_bytes([b[0], b[1]])), 4),
+            None => return Ok(None),
+        },
+        127 => match buf.get(2..10) {
+            Some(b) => {
+                let l = u64::from_be_bytes(b.try_into().expect("8 bytes"));
+                if l >> 63 != 0 {
+                    return Err(code::PROTOCOL_ERROR);
+                }
+                (l, 10)
+            }
+            None => return Ok(None),
+        },
+        l => (u64::from(l), 2),
+    };
+    let mask = if masked {
+        match buf.get(n..n + 4) {
+            Some(m) => {
+                n += 4;
+                Some(m.try_into().expect("4 bytes"))
+            }
+            None => return Ok(None),
+        }
+    } else {
+        None
+    };
+    Ok(Some(Header {
+        fin: b0 & 0x80 != 0,
+        rsv: (b0 >> 4) & 0x7,
+        opcode: b0 & 0x0f,
+        mask,
+        len,
+        header_len: n,
+    }))
+}
+
+/// Appends a server frame header (unmasked) for a payload of `len` bytes.
+pub fn write_header(out: &mut Vec<u8>, fin: bool, op: u8, len: usize) {
+    out.push(if fin { 0x80 } else { 0 } | op);
+    if len < 126 {
+        out.push(len as u8);
+    } else if let Ok(l) = u16::try_from(len) {
+        out.push(126);
+        out.extend_from_slice(&l.to_be_bytes());
+    } else {
+        out.push(127);
+        out.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+}
+
+/// Appends a close frame with `status` and no reason text.
+pub fn write_close(out: &mut Vec<u8>, status: u16) {
+    write_header(out, true, opcode::CLOSE, 2);
+    out.extend_from_slice(&status.to_be_bytes());
+}
+
+/// Appends `payload` unmasked with `mask` (XOR with the key, cycling).
+fn unmask_into(out: &mut Vec<u8>, payload: &[u8], mask: [u8; 4]) {
+    let start = out.len();
+    out.extend_from_slice(payload);
+    for (i, b) in out[start..].iter_mut().enumerate() {
+        *b ^= mask[i & 3];
+    }
+}
+
+/// A close status a peer may send [RFC 6455 §7.4]: 1000–1003, 1007–1011,
+/// and 3000–4999 (registered and private); 1004–1006, 1015 and the rest are
+/// reserved.
+pub fn valid_close_code(c: u16) -> bool {
+    matches!(c, 1000..=1003 | 1007..=1011 | 3000..=4999)
+}
+
+/// State that outlives one frame: the fragmented message in flight, if any.
+/// Six bytes; `conn` keeps it only while a message is in flight.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Message {
+    /// A fragmented message is open (its first frame had FIN clear).
+    pub open: bool,
+    /// The open message is text (validate UTF-8 across its fragments).
+    pub text: bool,
+    /// Up to 3 bytes of a UTF-8 sequence split across fragments.
+    pub carry: [u8; 3],
+    /// How many of `carry` are in use.
+    pub carry_len: u8,
+}
+
+impl Message {
+    /// Whether nothing is in flight (the connection may hold no state).
+    pub fn is_idle(&self) -> bool {
+        !self.open
+    }
+}
+
+/// Validates `data` as the next piece of a UTF-8 text, carrying an incomplete
+/// trailing sequence in `msg`. At the end of the message (`fin`) nothing may
+/// remain incomplete. Returns whether the text is still valid.
+fn utf8_step(msg: &mut Message, data: &[u8], fin: bool) -> bool {
+    let mut rest = data;
+    if msg.carry_len > 0 {
+        // Complete the carried sequence with up to 3 more bytes.
+        let mut tmp = [0u8; 7];
+        let c = usize::from(msg.carry_len);
+        tmp[..c].copy_from_slice(&msg.carry[..c]);
+        let take = rest.len().min(4 - c);
+        tmp[c..c + take].copy_from_slice(&rest[..take]);
+        match std::str::from_utf8(&tmp[..c + take]) {
+            Ok(_) => {
+                msg.carry_len = 0;
+                rest = &rest[take..];
+            }
+            Err(e) if e.error_len().is_some() && e.valid_up_to() == 0 => return false,
+            Err(e) if e.valid_up_to() == 0 => {
+                // Still incomplete: all of data went into the carry.
+                msg.carry[..c + take].copy_from_slice(&tmp[..c + take]);
+                msg.carry_len = (c + take) as u8;
+                return !fin;
+            }
+            Err(e) => {
+                // The carried sequence completed; continue after it.
+                let used = e.valid_up_to() - c;
+                msg.carry_len = 0;
+                rest = &rest[used..];
+            }
+        }
+    }
+    match std::str::from_utf8(rest) {
+        Ok(_) => true,
+        Err(e) if e.error_len().is_some() => false,
+        Err(e) => {
+            let tail = &rest[e.valid_up_to()..];
+            msg.carry[..tail.len()].copy_from_slice(tail);
+            msg.carry_len = tail.len() as u8;
+            !fin
+        }
+    }
+}
+
+/// What [`process`] decided about the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Keep going; wait for more bytes.
+    Continue,
+    /// The peer closed (close frame received and answered in `out`): write
+    /// `out`, then close the connection.
+    Closed,
+    /// Fail the connection with this close status (already appended to
+    /// `out`): write `out`, then close.
+    Fail(u16),
+}
+
+/// Processes as many complete frames of `input` as there are, appending the
+/// server's replies to `out`: data frames are echoed unmasked with the same
+/// opcode and FIN bit (so fragmentation is preserved), pings are answered
+/// with pongs carrying the same payload, pongs are ignored, a close is
+/// answered with a close carrying the same status code.
+///
+/// Enforced [RFC 6455 §5]: client frames are masked; RSV bits are 0; control
+/// frames are final and at most 125 bytes; opcodes are known; continuation
+/// frames only inside a fragmented message and data frames only outside one;
+/// text is UTF-8 (checked across fragments); close codes are valid and close
+/// reasons UTF-8; payloads are at most `max_frame` bytes (else 1009).
+///
+/// Returns the bytes consumed (the start of an incomplete frame is left for
+/// the caller to keep) and the outcome. After `Closed` or `Fail`, the rest of
+/// `input` is ignored.
+pub fn process(
+    input: &[u8],
+    msg: &mut Message,
+    out: &mut Vec<u8>,
+    max_frame: usize,
+) -> (usize, Outcome) {
+    let mut pos = 0;
+    let fail = |out: &mut Vec<u8>, c: u16| {
+        write_close(out, c);
+        Outcome::Fail(c)
+    };
+    loop {
+        let buf = &input[pos..];
+        let h = match parse_header(buf) {
+            Ok(Some(h)) => h,
+            Ok(None) => return (pos, Outcome::Continue),
+            Err(c) => return (input.len(), fail(out, c)),
+        };
+        let control = h.opcode & 0x8 != 0;
+        let Some(mask) = h.mask else {
+            return (input.len(), fail(out, code::PROTOCOL_ERROR));
+        };
+        if h.rsv != 0 {
+            return (input.len(), fail(out, code::PROTOCOL_ERROR));
+        }
+        if control && (!h.fin || h.len > MAX_CONTROL_PAYLOAD as u64) {
+            return (input.len(), fail(out, code::PROTOCOL_ERROR));
+        }
+        if h.len > max_frame as u64 {
+            return (input.len(), fail(out, code::TOO_BIG));
+        }
+        let len = h.len as usize;
+        if buf.len() < h.header_len + len {
+            return (pos, Outcome::Continue);
+        }
+        let payload = &buf[h.header_len..h.header_len + len];
+        pos += h.header_len + len;
+        match h.opcode {
+            opcode::TEXT | opcode::BINARY | opcode::CONTINUATION => {
+                let continuation = h.opcode == opcode::CONTINUATION;
+                if continuation != msg.open {
+                    return (input.len(), fail(out, code::PROTOCOL_ERROR));
+                }
+                let text = if continuation {
+                    msg.text
+                } else {
+                    h.opcode == opcode::TEXT
+                };
+                let start = out.len();
+                write_header(out, h.fin, h.opcode, len);
+                let body = out.len();
+                unmask_into(out, payload, mask);
+                if text {
+                    msg.text = true;
+                    if !utf8_step(msg, &out[body..], h.fin) {
+                        out.truncate(start);
+                        return (input.len(), fail(out, code::INVALID_PAYLOAD));
+                    }
+                }
+                if h.fin {
+                    *msg = Message::default();
+                } else {
+                    msg.open = true;
+                    msg.text = text;
+                }
+            }
+            opcode::PING => {
+                write_header(out, true, opcode::PONG, len);
+                unmask_into(out, payload, mask);
+            }
+            opcode::PONG => {}
+            opcode::CLOSE => {
+                let mut body = Vec::with_capacity(len);
+                unmask_into(&mut body, payload, mask);
+                return match body.len() {
+                    0 => {
+                        write_header(out, true, opcode::CLOSE, 0);
+                        (input.len(), Outcome::Closed)
+                    }
+                    1 => (input.len(), fail(out, code::PROTOCOL_ERROR)),
+                    _ => {
+                        let c = u16::from_be_bytes([body[0], body[1]]);
+                        if !valid_close_code(c) {
+                            (input.len(), fail(out, code::PROTOCOL_ERROR))
+                        } else if std::str::from_utf8(&body[2..]).is_err() {
+                            (input.len(), fail(out, code::INVALID_PAYLOAD))
+                        } else {
+                            write_close(out, c);
+                            (input.len(), Outcome::Closed)
+                        }
+                    }
+                };
+            }
+            _ => return (input.len(), fail(out, code::PROTOCOL_ERROR)),
+        }
+    }
+}
+
+/// Builds a masked client frame (what a client sends); for tests, fuzz seeds
+/// and the load generator.
+pub fn client_frame(fin: bool, op: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(payload.len() + 14);
+    write_header(&mut out, fin, op, payload.len());
+    out[1] |= 0x80;
+    out.extend_from_slice(&mask);
+    unmask_into(&mut out, payload, mask);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const M: [u8; 4] = [0x37, 0xfa, 0x21, 0x3d];
+
+    fn run(input: &[u8]) -> (usize, Outcome, Vec<u8>, Message) {
+        let mut msg = Message::default();
+        let mut out = Vec::new();
+        let (n, o) = process(input, &mut msg, &mut out, DEFAULT_MAX_FRAME_BYTES);
+        (n, o, out, msg)
+    }
+
+    fn server_frame(fin: bool, op: u8, payload: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        write_header(&mut v, fin, op, payload.len());
+        v.extend_from_slice(payload);
+        v
+    }
+
+    #[test]
+    fn accept_key_matches_rfc_example() {
+        // RFC 6455 §1.3.
+        assert_eq!(
+            accept_key(b"dGhlIHNhbXBsZSBub25jZQ=="),
+            "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        );
+    }
+
+    const REQ: &[u8] = b"GET /chat HTTP/1.1\r\nHost: server.example.com\r\nUpgrade: websocket\r\n\
+Connection: keep-alive, Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+Sec-WebSocket-Version: 13\r\n\r\n";
+
+    #[test]
+    fn handshake_accepts_a_valid_upgrade() {
+        let mut with_frame = REQ.to_vec();
+        with_frame.extend_from_slice(b"\x81");
+        match handshake(&with_frame) {
+            Handshake::Accept { response, consumed } => {
+                assert_eq!(consumed, REQ.len());
+                let r = String::from_utf8(response).unwrap();
+                assert!(r.starts_with("HTTP/1.1 101 Switching Protocols\r\n"), "{r}");
+                assert!(r.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n"));
+                assert!(r.ends_with("\r\n\r\n"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(handshake(&REQ[..REQ.len() - 2]), Handshake::Partial);
+    }
+
+    fn status(h: Handshake) -> u16 {
+        match h {
+            Handshake::Reject { response } => std::str::from_utf8(&response[9..12])
+                .unwrap()
+                .parse()
+                .unwrap(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn handshake_rejects_bad_requests() {
+        let s = |from: &str, to: &str| {
+            String::from_utf8(REQ.to_vec())
+                .unwrap()
+                .replace(from, to)
+                .into_bytes()
+        };
+        assert_eq!(status(handshake(&s("GET", "POST"))), 400);
+        assert_eq!(status(handshake(&s("HTTP/1.1", "HTTP/1.0"))), 400);
+        assert_eq!(
+            status(handshake(&s("Upgrade: websocket", "Upgrade: h2c"))),
+            400
+        );
+        assert_eq!(status(handshake(&s("keep-alive, Upgrade", "close"))), 400);
+        assert_eq!(status(handshake(&s("Version: 13", "Version: 8"))), 426);
+        assert_eq!(
+            status(handshake(&s("dGhlIHNhbXBsZSBub25jZQ==", "c2hvcnQ="))),
+            400
+        );
+        assert_eq!(status(handshake(&s("Sec-WebSocket-Key", "X-Key"))), 400);
+        assert_eq!(status(handshake(b"\x16\x03\x01garbage\r\n\r\n")), 400);
+        assert_eq!(status(handshake(&[b'A'; MAX_HANDSHAKE_BYTES])), 431);
+        // 426 names the version the server speaks.
+        if let Handshake::Reject { response } = handshake(&s("Version: 13", "Version: 8")) {
+            assert!(
+                String::from_utf8(response)
+                    .unwrap()
+                    .contains("Sec-WebSocket-Version: 13")
+            );
+        }
+    }
+
+    #[test]
+    fn parses_header_lengths() {
+        assert_eq!(parse_header(b"\x81"), Ok(None));
+        let h = parse_header(&[0x81, 0x85, 1, 2, 3, 4]).unwrap().unwrap();
+        assert_eq!((h.fin, h.opcode, h.len, h.header_len), (true, 1, 5, 6));
+        assert_eq!(h.mask, Some([1, 2, 3, 4]));
+        let h = parse_header(&[0x02, 126, 0x01, 0x00]).unwrap().unwrap();
+        assert_eq!((h.fin, h.len, h.header_len, h.mask), (false, 256, 4, None));
+        let mut b = vec![0x82, 127];
+        b.extend_from_slice(&70_000u64.to_be_bytes());
+        assert_eq!(parse_header(&b).unwrap().unwrap().len, 70_000);
+        assert_eq!(parse_header(&b[..9]), Ok(None));
+        b[2] = 0x80;
+        assert_eq!(parse_header(&b), Err(code::PROTOCOL_ERROR));
+        // The server's own headers round-trip.
+        for len in [0, 125, 126, 65_535, 65_536] {
+            let mut v = Vec::new();
+            write_header(&mut v, true, opcode::BINARY, len);
+            let h = parse_header(&v).unwrap().unwrap();
+            assert_eq!((h.len, h.header_len), (len as u64, v.len()));
+        }
+    }
+
+    #[test]
+    fn echoes_text_and_binary_unmasked() {
+        let mut input = client_frame(true, opcode::TEXT, b"Hello", M);
+        input.extend(client_frame(true, opcode::BINARY, &[0, 1, 2, 255], M));
+        let (n, o, out, msg) = run(&input);
+        assert_eq!((n, o), (input.len(), Outcome::Continue));
+        let mut want = server_frame(true, opcode::TEXT, b"Hello");
+        want.extend(server_frame(true, opcode::BINARY, &[0, 1, 2, 255]));
+        assert_eq!(out, want);
+        assert!(msg.is_idle());
+    }
+
+    #[test]
+    fn rfc_masked_hello_example() {
+        // RFC 6455 §5.7: a single-frame masked text message "Hello".
+        let input = [
+            0x81, 0x85, 0x37, 0xfa, 0x21, 0x3d, 0x7f, 0x9f, 0x4d, 0x51, 0x58,
+        ];
+        let (_, _, out, _) = run(&input);
+        assert_eq!(out, [0x81, 0x05, 0x48, 0x65, 0x6c, 0x6c, 0x6f]);
+    }
+
+    #[test]
+    fn incomplete_frames_are_left_for_later() {
+        let f = client_frame(true, opcode::BINARY, &[7u8; 300], M);
+        for cut in [1, 2, 3, 7, 8, 100, f.len() - 1] {
+            let (n, o, out, _) = run(&f[..cut]);
+            assert_eq!((n, o, out.len()), (0, Outcome::Continue, 0), "cut {cut}");
+        }
+        let mut two = client_frame(true, opcode::TEXT, b"a", M);
+        let first = two.len();
+        two.extend_from_slice(&f[..10]);
+        let (n, _, out, _) = run(&two);
+        assert_eq!(n, first);
+        assert_eq!(out, server_frame(true, opcode::TEXT, b"a"));
+    }
+
+    #[test]
+    fn fragmented_text_is_echoed_per_fragment_with_interleaved_ping() {
+        // "€" (e2 82 ac) split across fragments, a ping in the middle.
+        let mut input = client_frame(false, opcode::TEXT, b"ab\xe2", M);
+        input.extend(client_frame(true, opcode::PING, b"p", M));
+        input.extend(client_frame(false, opcode::CONTINUATION, b"\x82", M));
+        let (n, o, out, msg) = run(&input);
+        assert_eq!((n, o), (input.len(), Outcome::Continue));
+        assert!(msg.open && msg.text && msg.carry_len == 2);
+        let mut want = server_frame(false, opcode::TEXT, b"ab\xe2");
+        want.extend(server_frame(true, opcode::PONG, b"p"));
+        want.extend(server_frame(false, opcode::CONTINUATION, b"\x82"));
+        assert_eq!(out, want);
+
+        let mut msg2 = msg;
+        let mut out = Vec::new();
+        let fin = client_frame(true, opcode::CONTINUATION, b"\xac!", M);
+        let (_, o) = process(&fin, &mut msg2, &mut out, 1024);
+        assert_eq!(o, Outcome::Continue);
+        assert_eq!(out, server_frame(true, opcode::CONTINUATION, b"\xac!"));
+        assert!(msg2.is_idle());
+
+        // Ending the message in the middle of a code point is invalid.
+        let mut msg3 = msg;
+        let mut out = Vec::new();
+        let fin = client_frame(true, opcode::CONTINUATION, b"\xac\xe2", M);
+        let (_, o) = process(&fin, &mut msg3, &mut out, 1024);
+        assert_eq!(o, Outcome::Fail(code::INVALID_PAYLOAD));
+    }
+
+    #[test]
+    fn invalid_utf8_fails_with_1007_and_echoes_nothing_of_it() {
+        let input = client_frame(true, opcode::TEXT, b"ok\xff", M);
+        let (_, o, out, _) = run(&input);
+        assert_eq!(o, Outcome::Fail(code::INVALID_PAYLOAD));
+        assert_eq!(out, [0x88, 2, 0x03, 0xef]);
+        // Binary frames are not validated.
+        let (_, o, _, _) = run(&client_frame(true, opcode::BINARY, b"\xff", M));
+        assert_eq!(o, Outcome::Continue);
+    }
+
+    #[test]
+    fn utf8_carry_handles_every_split_point() {
+        let text = "aé€😀z".as_bytes();
+        for a in 0..=text.len() {
+            for b in a..=text.len() {
+                let mut msg = Message::default();
+                assert!(utf8_step(&mut msg, &text[..a], false), "{a} {b}");
+                assert!(utf8_step(&mut msg, &text[a..b], false), "{a} {b}");
+                assert!(utf8_step(&mut msg, &text[b..], true), "{a} {b}");
+            }
+        }
+        let mut msg = Message::default();
+        assert!(utf8_step(&mut msg, b"\xf0\x9f", false));
+        assert!(!utf8_step(&mut msg, b"\x41", false));
+    }
+
+    #[test]
+    fn protocol_errors_fail_with_1002() {
+        let cases: Vec<Vec<u8>> = vec![
+            // unmasked client frame
+            server_frame(true, opcode::TEXT, b"x"),
+            // RSV1 without an extension
+            {
+                let mut f = client_frame(true, opcode::TEXT, b"x", M);
+                f[0] |= 0x40;
+                f
+            },
+            // fragmented control frame
+            client_frame(false, opcode::PING, b"x", M),
+            // oversize control frame
+            client_frame(true, opcode::PING, &[0; 126], M),
+            // continuation without a message
+            client_frame(true, opcode::CONTINUATION, b"x", M),
+            // new data frame inside a fragmented message
+            {
+                let mut f = client_frame(false, opcode::TEXT, b"x", M);
+                f.extend(client_frame(true, opcode::BINARY, b"y", M));
+                f
+            },
+            // reserved opcodes
+            client_frame(true, 0x3, b"", M),
+            client_frame(true, 0xB, b"", M),
+            // close with a one-byte body, with a reserved code
+            client_frame(true, opcode::CLOSE, &[3], M),
+            client_frame(true, opcode::CLOSE, &1005u16.to_be_bytes(), M),
+            client_frame(true, opcode::CLOSE, &999u16.to_be_bytes(), M),
+        ];
+        for (i, c) in cases.iter().enumerate() {
+            let (n, o, out, _) = run(c);
+            assert_eq!(o, Outcome::Fail(code::PROTOCOL_ERROR), "case {i}");
+            assert_eq!(n, c.len());
+            assert!(out.ends_with(&[0x88, 2, 0x03, 0xea]), "case {i}: {out:?}");
+        }
+    }
+
+    #[test]
+    fn oversize_frame_fails_with_1009_before_its_payload_arrives() {
+        let f = client_frame(true, opcode::BINARY, &[0; 2000], M);
+        let mut msg = Message::default();
+        let mut out = Vec::new();
+        // Only the header has arrived.
+        let (_, o) = process(&f[..8], &mut msg, &mut out, 1000);
+        assert_eq!(o, Outcome::Fail(code::TOO_BIG));
+        assert_eq!(out, [0x88, 2, 0x03, 0xf1]);
+    }
+
+    #[test]
+    fn close_handshake_echoes_the_code() {
+        let mut body = 1000u16.to_be_bytes().to_vec();
+        body.extend_from_slice(b"bye");
+        let mut input = client_frame(true, opcode::CLOSE, &body, M);
+        input.extend(client_frame(true, opcode::TEXT, b"after close", M));
+        let (n, o, out, _) = run(&input);
+        assert_eq!((n, o), (input.len(), Outcome::Closed));
+        assert_eq!(out, [0x88, 2, 0x03, 0xe8]);
+        let (_, o, out, _) = run(&client_frame(true, opcode::CLOSE, b"", M));
+        assert_eq!(o, Outcome::Closed);
+        assert_eq!(out, [0x88, 0]);
+        let mut bad = 1000u16.to_be_bytes().to_vec();
+        bad.push(0xff);
+        let (_, o, _, _) = run(&client_frame(true, opcode::CLOSE, &bad, M));
+        assert_eq!(o, Outcome::Fail(code::INVALID_PAYLOAD));
+        assert!(valid_close_code(4999) && valid_close_code(3000) && valid_close_code(1011));
+        assert!(!valid_close_code(1006) && !valid_close_code(1015) && !valid_close_code(5000));
+    }
+
+    #[test]
+    fn ping_gets_pong_and_pong_is_ignored() {
+        let mut input = client_frame(true, opcode::PING, b"12345", M);
+        input.extend(client_frame(true, opcode::PONG, b"zz", M));
+        let (n, o, out, _) = run(&input);
+        assert_eq!((n, o), (input.len(), Outcome::Continue));
+        assert_eq!(out, server_frame(true, opcode::PONG, b"12345"));
+    }
+}
