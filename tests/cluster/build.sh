@@ -13,14 +13,22 @@ source "$here/env.sh"
 key=$(cat "$here/go.sum" "$here/go.mod" "$here/build.sh" "$here/env.sh" | sha256sum | cut -c1-16)
 bin="$C10M_CACHE/bin/$key"
 
+# Outputs are captured before matching: `cmd | grep -q` under pipefail fails
+# at random when grep exits before cmd has written everything (SIGPIPE).
 check_versions() {
-  "$bin/kube-apiserver" --version | grep -qx "Kubernetes $K8S_VERSION" &&
-    "$bin/kube-controller-manager" --version | grep -qx "Kubernetes $K8S_VERSION" &&
-    "$bin/kube-scheduler" --version | grep -qx "Kubernetes $K8S_VERSION" &&
-    "$bin/etcd" --version | grep -q "etcd Version: ${ETCD_VERSION#v}" &&
-    "$bin/kwok" --version | grep -q "$KWOK_VERSION" &&
-    "$bin/helm" version --template '{{.Version}}' | grep -qx "$HELM_VERSION"
+  local c v
+  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+    v=$("$bin/$c" --version) && [[ $v == "Kubernetes $K8S_VERSION" ]] || return 1
+  done
+  v=$("$bin/etcd" --version) && [[ $v == *"etcd Version: ${ETCD_VERSION#v}"* ]] || return 1
+  v=$("$bin/kwok" --version) && [[ $v == *"${KWOK_VERSION#v}"* ]] || return 1
+  v=$("$bin/helm" version --template '{{.Version}}') && [[ $v == "$HELM_VERSION" ]] || return 1
 }
+
+mkdir -p "$C10M_CACHE/bin"
+# One build at a time (concurrent `make test` / `make demo` runs wait here).
+exec 9>"$C10M_CACHE/bin/.lock"
+flock 9
 
 if [ -f "$bin/.complete" ] && check_versions 2>/dev/null; then
   echo "$bin"
@@ -47,5 +55,7 @@ rm -rf "$bin"
 mv "$bin.tmp" "$bin"
 check_versions || { echo "build.sh: a built binary reports the wrong version" >&2; exit 1; }
 touch "$bin/.complete"
+# Binaries of other go.sum versions are stale; a running plane keeps its open files.
+find "$C10M_CACHE/bin" -mindepth 1 -maxdepth 1 -type d ! -name "$key" -exec rm -rf {} +
 echo "built in $(( $(date +%s) - start )) s" >&2
 echo "$bin"
