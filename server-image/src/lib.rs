@@ -16,6 +16,7 @@ pub mod admin;
 pub mod config;
 pub mod conn;
 pub mod limits;
+pub mod loadgen;
 pub mod metrics;
 pub mod server;
 pub mod sysctl;
