@@ -19,5 +19,7 @@ bash "$here/cluster/up.sh"
 # A demo operator watching every namespace would reconcile the tests' fleets too.
 bash "$here/demo.sh" --stop
 export C10M_KUBECONFIG=$KUBECONFIG_PATH
+C10M_BIN_DIR=$(bash "$here/cluster/build.sh" | tail -n1)
+export C10M_BIN_DIR
 cd "$here/.."
 cargo test --workspace --no-fail-fast

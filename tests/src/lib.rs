@@ -166,8 +166,18 @@ pub struct Operator {
 
 impl Operator {
     /// Starts the operator binary (`C10M_OPERATOR_BIN`, else
-    /// `target/debug/c10m-operator`, built by `make test`) for `ns`.
+    /// `target/debug/c10m-operator`, built by `make test`) for `ns`, as admin.
     pub fn start(ns: &str) -> Self {
+        Self::spawn(
+            &["run", "--namespace", ns, "--metrics-addr", "127.0.0.1:0"],
+            &kubeconfig(),
+            ns,
+        )
+    }
+
+    /// Starts the operator with `args` and `kubeconfig`, logging to
+    /// `target/e2e-logs/<log_name>.log`.
+    pub fn spawn(args: &[&str], kubeconfig: &Path, log_name: &str) -> Self {
         let bin = std::env::var("C10M_OPERATOR_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|_| workspace().join("target/debug/c10m-operator"));
@@ -178,11 +188,11 @@ impl Operator {
         );
         let logs = workspace().join("target/e2e-logs");
         std::fs::create_dir_all(&logs).unwrap();
-        let log = logs.join(format!("{ns}.log"));
+        let log = logs.join(format!("{log_name}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(bin)
-            .args(["run", "--namespace", ns, "--metrics-addr", "127.0.0.1:0"])
-            .env("KUBECONFIG", kubeconfig())
+            .args(args)
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .stdout(file.try_clone().unwrap())
             .stderr(file)
@@ -229,4 +239,75 @@ pub fn events_for(ns: &str, name: &str) -> Vec<(String, String, String)> {
             )
         })
         .collect()
+}
+
+/// Directory of the Go-built binaries (helm, kwok, ...): `C10M_BIN_DIR`
+/// (set by tests/run.sh), else what `tests/cluster/build.sh` prints.
+pub fn bin_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Ok(d) = std::env::var("C10M_BIN_DIR") {
+            return PathBuf::from(d);
+        }
+        let out = Command::new("bash")
+            .arg(workspace().join("tests/cluster/build.sh"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "build.sh: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(
+            String::from_utf8(out.stdout)
+                .unwrap()
+                .lines()
+                .last()
+                .unwrap()
+                .trim(),
+        )
+    })
+    .clone()
+}
+
+/// Runs helm with the test kubeconfig; returns (success, stdout + stderr).
+pub fn helm(args: &[&str]) -> (bool, String) {
+    let out = Command::new(bin_dir().join("helm"))
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .output()
+        .expect("helm runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// A kubeconfig that authenticates as ServiceAccount `sa` in `ns` with a
+/// token from `kubectl create token`, written to `target/e2e-logs/<sa>.kubeconfig`.
+pub fn service_account_kubeconfig(ns: &str, sa: &str) -> PathBuf {
+    let token = kubectl(&["create", "token", sa, "-n", ns, "--duration=2h"]);
+    let admin: Value = serde_json::from_str(&kubectl(&[
+        "config", "view", "--raw", "--minify", "-o", "json",
+    ]))
+    .unwrap();
+    let cluster = &admin["clusters"][0]["cluster"];
+    let config = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c10m", "cluster": {
+            "server": cluster["server"],
+            "certificate-authority-data": cluster["certificate-authority-data"],
+        }}],
+        "users": [{"name": sa, "user": {"token": token.trim()}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c10m", "user": sa}}],
+        "current-context": "sa",
+    });
+    let dir = workspace().join("target/e2e-logs");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{ns}-{sa}.kubeconfig"));
+    std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
+    path
 }

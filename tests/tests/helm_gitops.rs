@@ -1,0 +1,374 @@
+//! The operator installed the way platform teams do (Helm), running with the
+//! chart's ServiceAccount and RBAC, and behaving under GitOps tools.
+//!
+//! The chart's Deployment lands on a KWOK node where no container runs, so
+//! each test runs the operator binary locally with the chart's arguments and
+//! a token of the chart's ServiceAccount (`kubectl create token`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use c10m_e2e::*;
+use serde_json::Value;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn chart() -> String {
+    workspace()
+        .join("charts/c10m-operator")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A Helm release of the chart in its own namespace, watching `fleet_ns`.
+struct Release {
+    name: String,
+    ns: Namespace,
+}
+
+impl Release {
+    fn install(name: &str, fleet_ns: &str, extra: &[&str]) -> (Self, String) {
+        let ns = Namespace::create(&format!("{name}-op"));
+        let chart = chart();
+        let watch = format!("watchNamespace={fleet_ns}");
+        let mut args = vec!["install", name, &chart, "-n", &ns.0, "--set", &watch];
+        args.extend_from_slice(extra);
+        let (ok, out) = helm(&args);
+        assert!(ok, "helm install: {out}");
+        (
+            Release {
+                name: name.into(),
+                ns,
+            },
+            out,
+        )
+    }
+
+    fn deployment(&self) -> Value {
+        get_json(
+            &self.ns.0,
+            "deployment",
+            &format!("{}-c10m-operator", self.name),
+        )
+        .expect("operator deployment")
+    }
+
+    /// The chart's container args, with the metrics address moved to a free
+    /// loopback port (several operators run on this one machine).
+    fn args(&self) -> Vec<String> {
+        self.deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .map(|a| {
+                if a.starts_with("--metrics-addr=") {
+                    "--metrics-addr=127.0.0.1:0".into()
+                } else {
+                    a
+                }
+            })
+            .collect()
+    }
+
+    /// Runs the operator as the chart's ServiceAccount with the chart's args.
+    fn run_operator(&self, log_name: &str) -> (Operator, PathBuf) {
+        let sa = format!("{}-c10m-operator", self.name);
+        let kubeconfig = service_account_kubeconfig(&self.ns.0, &sa);
+        let args = self.args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        (Operator::spawn(&args, &kubeconfig, log_name), kubeconfig)
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = helm(&["uninstall", &self.name, "-n", &self.ns.0]);
+    }
+}
+
+fn fleet(name: &str, connections: i64) -> String {
+    format!(
+        "apiVersion: c10m.dev/v1alpha1\nkind: ConnectionFleet\nmetadata:\n  name: {name}\nspec:\n  connections: {connections}\n  shard:\n    minShards: 2\n"
+    )
+}
+
+fn wait_ready(ns: &str, name: &str) -> Value {
+    wait_for(&format!("{name} Ready"), MINUTE, || {
+        let f = get_json(ns, "connectionfleet", name)?;
+        let ready = condition(&f, "Ready")?["status"] == "True";
+        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
+    })
+}
+
+fn rv(ns: &str, kind: &str, name: &str) -> Value {
+    get_json(ns, kind, name).unwrap()["metadata"]["resourceVersion"].clone()
+}
+
+#[test]
+fn helm_lifecycle_with_least_privilege_rbac() {
+    ensure_crd();
+    let fleets = Namespace::create("helm-fleets");
+    let fns = fleets.0.as_str();
+    let (release, notes) = Release::install("c10m-h1", fns, &[]);
+    assert!(
+        notes.contains("`helm uninstall` removes the operator only"),
+        "NOTES: {notes}"
+    );
+
+    // The rendered Deployment: restricted securityContext, chart args.
+    let dep = release.deployment();
+    let pod = &dep["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(
+        pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"],
+        false
+    );
+    assert_eq!(pod["serviceAccountName"], "c10m-h1-c10m-operator");
+    let args = release.args();
+    assert!(args.contains(&format!("--namespace={fns}")), "{args:?}");
+    assert!(args.contains(&"--manage-crd=true".to_string()), "{args:?}");
+
+    // The operator runs with the chart's ServiceAccount token, not admin.
+    let (op, sa_kubeconfig) = release.run_operator("helm-h1");
+    let (ok, out) = apply(fns, &fleet("edge", 1_000_000));
+    assert!(ok, "{out}");
+    let f = wait_ready(fns, "edge");
+    assert_eq!(f["status"]["desiredShards"], 2);
+    assert!(
+        op.log_text().contains("CRD applied and established"),
+        "{}",
+        op.log_text()
+    );
+    // The token really is the ServiceAccount's: it may not read secrets.
+    let out = std::process::Command::new("kubectl")
+        .args(["auth", "can-i", "list", "secrets", "-A"])
+        .env("KUBECONFIG", &sa_kubeconfig)
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "no");
+
+    // Removing a needed verb is reported clearly, not a silent stall.
+    let role = "c10m-h1-c10m-operator";
+    let cr: Value =
+        serde_json::from_str(&kubectl(&["get", "clusterrole", role, "-o", "json"])).unwrap();
+    let idx = cr["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|r| r["resources"][0] == "deployments")
+        .unwrap();
+    let patch = format!(
+        r#"[{{"op":"replace","path":"/rules/{idx}/verbs","value":["list","watch","create"]}}]"#
+    );
+    kubectl(&["patch", "clusterrole", role, "--type=json", "-p", &patch]);
+    let (ok, out) = apply(fns, &fleet("edge", 20_000_000));
+    assert!(ok, "{out}");
+    let f = wait_for("Degraded ApplyFailed", MINUTE, || {
+        let f = get_json(fns, "connectionfleet", "edge")?;
+        (condition(&f, "Degraded")?["reason"] == "ApplyFailed").then_some(f)
+    });
+    let msg = condition(&f, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains("forbidden") && msg.contains("deployments"),
+        "{msg}"
+    );
+    assert_eq!(condition(&f, "Ready").unwrap()["status"], "False");
+    wait_for("ApplyFailed Warning event", MINUTE, || {
+        events_for(fns, "edge")
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "ApplyFailed")
+            .then_some(())
+    });
+    assert!(
+        op.log_text().contains("forbidden"),
+        "the log names the RBAC error"
+    );
+
+    // helm upgrade restores the role (and a changed value rolls the operator).
+    let rev0 = dep["metadata"]["annotations"]["deployment.kubernetes.io/revision"].clone();
+    let (ok, out) = helm(&[
+        "upgrade",
+        "c10m-h1",
+        &chart(),
+        "-n",
+        &release.ns.0,
+        "--reuse-values",
+        "--set",
+        "logFormat=text",
+    ]);
+    assert!(ok, "helm upgrade: {out}");
+    let dep = wait_for("operator Deployment rolled", MINUTE, || {
+        let d = release.deployment();
+        (d["metadata"]["annotations"]["deployment.kubernetes.io/revision"] != rev0).then_some(d)
+    });
+    assert!(release.args().contains(&"--log-format=text".to_string()));
+    assert_eq!(
+        dep["metadata"]["annotations"]["deployment.kubernetes.io/revision"],
+        "2"
+    );
+    let f = wait_ready(fns, "edge");
+    assert!(f["status"]["desiredShards"].as_i64().unwrap() > 2);
+    assert_eq!(condition(&f, "Degraded").unwrap()["status"], "False");
+    drop(op);
+
+    // helm uninstall leaves the fleets (and what they own) in place.
+    let (ok, out) = helm(&["uninstall", "c10m-h1", "-n", &release.ns.0]);
+    assert!(ok, "{out}");
+    assert!(get_json(&release.ns.0, "deployment", "c10m-h1-c10m-operator").is_none());
+    assert!(get_json(fns, "connectionfleet", "edge").is_some());
+    assert!(get_json(fns, "deployment", "edge").is_some());
+    kubectl(&["get", "crd", "connectionfleets.c10m.dev"]);
+}
+
+#[test]
+fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
+    ensure_crd();
+    let fleets = Namespace::create("gitops-fleets");
+    let fns = fleets.0.as_str();
+    let (release, _) = Release::install("c10m-g1", fns, &["--set", "crd.manage=false"]);
+    let (op, _) = release.run_operator("helm-g1");
+    let manifest = fleet("git", 3_000_000);
+    // Server-side apply as `manager`, taking over fields another manager set.
+    let ssa = |manager: &str, m: &str| {
+        let out = kubectl_with(
+            &[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager",
+                manager,
+                "-n",
+                fns,
+                "-f",
+                "-",
+            ],
+            Some(m),
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    ssa("argocd-controller", &manifest);
+    // kubectl wait works on the Ready condition.
+    kubectl(&[
+        "wait",
+        "-n",
+        fns,
+        "--for=condition=Ready",
+        "connectionfleet/git",
+        "--timeout=60s",
+    ]);
+    let f = wait_ready(fns, "git");
+    let ready = condition(&f, "Ready").unwrap();
+    assert!(
+        !ready["reason"].as_str().unwrap().is_empty()
+            && !ready["message"].as_str().unwrap().is_empty()
+    );
+    assert_eq!(ready["observedGeneration"], f["metadata"]["generation"]);
+
+    // Re-applying the same manifest changes nothing.
+    let before = [
+        rv(fns, "connectionfleet", "git"),
+        rv(fns, "deployment", "git"),
+        rv(fns, "service", "git"),
+    ];
+    ssa("argocd-controller", &manifest);
+    let diff = kubectl_with(
+        &[
+            "diff",
+            "--server-side",
+            "--field-manager",
+            "argocd-controller",
+            "-n",
+            fns,
+            "-f",
+            "-",
+        ],
+        Some(&manifest),
+    );
+    assert_eq!(
+        diff.status.code(),
+        Some(0),
+        "kubectl diff: {}",
+        String::from_utf8_lossy(&diff.stdout)
+    );
+    assert!(diff.stdout.is_empty());
+    std::thread::sleep(Duration::from_secs(3));
+    let after = [
+        rv(fns, "connectionfleet", "git"),
+        rv(fns, "deployment", "git"),
+        rv(fns, "service", "git"),
+    ];
+    assert_eq!(before, after, "a re-apply changed resourceVersions");
+
+    // The operator never writes spec: its managed fields are all on the status subresource.
+    let f: Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "-n",
+        fns,
+        "connectionfleet",
+        "git",
+        "-o",
+        "json",
+        "--show-managed-fields",
+    ]))
+    .unwrap();
+    let entries: Vec<&Value> = f["metadata"]["managedFields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["manager"] == "c10m-operator")
+        .collect();
+    assert!(!entries.is_empty());
+    for e in entries {
+        assert_eq!(e["subresource"], "status", "{e}");
+    }
+
+    // A foreign annotation on the Deployment survives reconciles (no fight).
+    kubectl(&[
+        "annotate",
+        "-n",
+        fns,
+        "deployment/git",
+        "example.com/owner=team-edge",
+        "--field-manager=someone-else",
+    ]);
+    // Another field manager changes the spec: the plan follows within one reconcile.
+    ssa(
+        "flux-kustomize",
+        &fleet("git", 9_000_000).replace("minShards: 2", "minShards: 4"),
+    );
+    let f = wait_for("plan follows the new spec", Duration::from_secs(15), || {
+        let f = get_json(fns, "connectionfleet", "git")?;
+        (f["status"]["observedGeneration"] == f["metadata"]["generation"]
+            && f["status"]["desiredShards"] == 4)
+            .then_some(f)
+    });
+    assert_eq!(f["spec"]["connections"], 9_000_000);
+    let dep = wait_for("deployment scaled", MINUTE, || {
+        let d = get_json(fns, "deployment", "git")?;
+        (d["spec"]["replicas"] == 4).then_some(d)
+    });
+    assert_eq!(
+        dep["metadata"]["annotations"]["example.com/owner"],
+        "team-edge"
+    );
+    wait_ready(fns, "git");
+    let steady = rv(fns, "deployment", "git");
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        rv(fns, "deployment", "git"),
+        steady,
+        "the operator keeps rewriting its Deployment"
+    );
+    assert!(
+        !op.log_text().contains("CRD applied"),
+        "crd.manage=false must not touch the CRD"
+    );
+}
