@@ -24,6 +24,8 @@ pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
 /// A fleet of SO_REUSEPORT server shards that must hold `spec.connections`
 /// concurrent connections. The operator derives shards, resources and
 /// sysctls from the capacity model and reports them in `status.plan`.
+// Each printcolumn repeats `type_ = ...`, which clippy takes for duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "c10m.dev",

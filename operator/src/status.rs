@@ -157,37 +157,34 @@ pub fn next_status(
         } => Some(plan),
         _ => None,
     };
-    match plan {
-        Some(plan) => {
-            if plan.sysctls_not_applied.is_empty() {
-                set_condition(
-                    &mut status.conditions,
-                    SYSCTLS_APPLIED,
-                    true,
-                    "AllApplied",
-                    format!("{} sysctls applied", plan.sysctls.len()),
-                    generation,
-                    now,
-                );
-            } else {
-                set_condition(
-                    &mut status.conditions,
-                    SYSCTLS_APPLIED,
-                    false,
-                    "NotAllowedInMode",
-                    format!(
-                        "not applied under spec.sysctls.mode: {}; listen backlog capped at {}",
-                        plan.sysctls_not_applied.join(", "),
-                        plan.listen_backlog
-                    ),
-                    generation,
-                    now,
-                );
-            }
-            status.desired_shards = plan.shards;
-            status.plan = Some(plan.clone());
+    if let Some(plan) = plan {
+        if plan.sysctls_not_applied.is_empty() {
+            set_condition(
+                &mut status.conditions,
+                SYSCTLS_APPLIED,
+                true,
+                "AllApplied",
+                format!("{} sysctls applied", plan.sysctls.len()),
+                generation,
+                now,
+            );
+        } else {
+            set_condition(
+                &mut status.conditions,
+                SYSCTLS_APPLIED,
+                false,
+                "NotAllowedInMode",
+                format!(
+                    "not applied under spec.sysctls.mode: {}; listen backlog capped at {}",
+                    plan.sysctls_not_applied.join(", "),
+                    plan.listen_backlog
+                ),
+                generation,
+                now,
+            );
         }
-        None => {}
+        status.desired_shards = plan.shards;
+        status.plan = Some(plan.clone());
     }
     if let Outcome::Applied { shards, .. } = outcome {
         status.ready_shards = shards.ready;

@@ -86,8 +86,12 @@ pub fn plan_sysctls(
         // connections instead of resetting them (KERNEL_FACTS.md, measured).
         ("net.ipv4.tcp_migrate_req", "1".to_string()),
     ];
-    debug_assert!(model::LISTEN_BACKLOG > model::DEFAULT_SOMAXCONN);
-    debug_assert!(model::LISTEN_BACKLOG > model::DEFAULT_TCP_MAX_SYN_BACKLOG);
+    const {
+        assert!(
+            model::LISTEN_BACKLOG > model::DEFAULT_SOMAXCONN
+                && model::LISTEN_BACKLOG > model::DEFAULT_TCP_MAX_SYN_BACKLOG
+        )
+    };
 
     let mode = spec.sysctls.mode;
     if mode == SysctlMode::InitContainer {
