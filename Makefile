@@ -56,3 +56,19 @@ measure-server:
 	$(CARGO) build --release -p c10m-server
 	@mkdir -p target/bench
 	python3 server-image/bench/idle_memory.py target/release/c10m-server 19000 | tee target/bench/idle-memory.json
+
+# --- c10m-server benchmark, scale test and fuzzing (server-image/README.md) ---
+.PHONY: bench-server test-server-scale fuzz
+
+bench-server:
+	$(CARGO) build --release -p c10m-server --bins --examples
+	@mkdir -p target/bench
+	python3 server-image/bench/server_bench.py --out target/bench/server.json
+
+test-server-scale:
+	$(CARGO) test --release -p c10m-server --test scale -- --ignored --nocapture
+
+FUZZ_SECONDS ?= 20
+fuzz:
+	cd server-image/fuzz && for t in ws_frames ws_handshake admin_request; do \
+	  $(CARGO) +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
