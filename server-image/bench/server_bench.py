@@ -66,6 +66,24 @@ def meminfo_slab():
     return 0
 
 
+def tcp_inuse():
+    with open("/proc/net/sockstat") as f:
+        for line in f:
+            if line.startswith("TCP:"):
+                p = line.split()
+                return int(p[p.index("inuse") + 1])
+    return 0
+
+
+def wait_sockets_gone(baseline, timeout=30.0):
+    """Waits until the previous run's sockets are closed and freed, so the
+    next measurement does not overlap their teardown."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and tcp_inuse() > baseline + 500:
+        time.sleep(0.2)
+    time.sleep(1.0)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,7 +166,7 @@ def row(kind, args, release):
     servers = start_servers(kind, args.procs, port, release)
     try:
         pids = [s.pid for s in servers]
-        time.sleep(1.0)
+        wait_sockets_gone(args.inuse0)
         rss0 = sum(rss_bytes(p) for p in pids)
         slab0, mslab0 = slab_active_bytes(), meminfo_slab()
 
@@ -165,7 +183,7 @@ def row(kind, args, release):
                          args.ping_rate, measure)
         if any(s.poll() is not None for s in servers):
             raise RuntimeError(f"{name}: a server process exited during the run")
-        time.sleep(1.0)
+        wait_sockets_gone(args.inuse0 + args.procs)
         small, _ = loadgen(release, port, 1000, protocol, 1, args.hold, args.ping_rate)
     finally:
         stop(servers)
@@ -249,6 +267,7 @@ def main():
     ap.add_argument("--ping-rate", type=float, default=2000.0)
     ap.add_argument("--only", nargs="*", default=["c10m-echo", "tokio-naive", "floor", "c10m-websocket"])
     args = ap.parse_args()
+    args.inuse0 = tcp_inuse()
     rows = [row(kind, args, args.release) for kind in args.only]
     rat = ratios(rows)
     doc = {

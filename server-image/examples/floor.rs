@@ -65,8 +65,8 @@ fn main() -> std::io::Result<()> {
                     unsafe { libc::write(fd, buf.as_ptr().cast(), n as usize) };
                     continue;
                 }
-                let eagain = n < 0
-                    && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock;
+                let eagain =
+                    n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock;
                 if !eagain {
                     // SAFETY: closing the descriptor we own; epoll forgets it.
                     unsafe { libc::close(fd) };

@@ -701,11 +701,23 @@ impl Gen {
                 last_timeout_check = now;
                 self.check_timeouts();
             }
-            let timeout = if self.opened < self.n || pings_due_from.is_some() {
-                Duration::from_millis(1)
-            } else {
-                Duration::from_millis(50)
-            };
+            // Sleep until the next thing due: the next ramp step (1 ms
+            // steps), or the next ping, else 50 ms (retries, timeouts,
+            // progress), so idle children do not steal the CPUs whose
+            // scheduling latency the pings measure.
+            let mut timeout = Duration::from_millis(50);
+            if self.opened < self.n {
+                timeout = Duration::from_millis(1);
+            }
+            if let Some(t0) = pings_due_from {
+                if per_proc_ping > 0.0 && !self.active.is_empty() {
+                    let next = t0 + Duration::from_secs_f64(pinged as f64 / per_proc_ping);
+                    timeout = timeout.min(next.saturating_duration_since(Instant::now()));
+                } else if self.args.hold > 0.0 {
+                    let end = t0 + Duration::from_secs_f64(self.args.hold);
+                    timeout = timeout.min(end.saturating_duration_since(Instant::now()));
+                }
+            }
             match self.poll.poll(&mut events, Some(timeout)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,

@@ -648,7 +648,8 @@ impl Worker {
 
     /// Once a second: closes WebSocket connections whose upgrade is overdue
     /// and, with an idle timeout, connections that read nothing for that
-    /// long. Walks the slab (tens of microseconds per 10k connections) so
+    /// long. Timestamps are whole seconds, so "more than `t` ticks ago"
+    /// means at least `t` and under `t + 2` seconds. Walks the slab (tens of microseconds per 10k connections) so
     /// that no per-connection timer exists.
     fn sweep(&mut self, conns: &mut Conns, now: u32) {
         let hs = self.limits.handshake_timeout_secs;
@@ -657,10 +658,10 @@ impl Worker {
         for (key, c) in conns.iter() {
             let age = now.wrapping_sub(c.since());
             match c.phase() {
-                Phase::Handshake if age >= hs => {
+                Phase::Handshake if age > hs => {
                     self.doomed.push((key, CloseReason::HandshakeTimeout));
                 }
-                Phase::Open if idle > 0 && age >= idle => {
+                Phase::Open if idle > 0 && age > idle => {
                     self.doomed.push((key, CloseReason::IdleTimeout));
                 }
                 _ => {}

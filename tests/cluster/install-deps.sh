@@ -62,6 +62,14 @@ if ((${#missing[@]})); then
   echo "install-deps: installed ${missing[*]}"
 fi
 
+# Python's `websockets` (>= 13, PyPI): the independent WebSocket client that
+# server-image/tests/websocket.rs checks c10m-server against.
+if ! python3 -c 'import websockets, sys; sys.exit(int(websockets.__version__.split(".")[0]) < 13)' 2>/dev/null; then
+  echo "install-deps: installing python3 websockets"
+  python3 -m pip install --quiet 'websockets>=13' 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages 'websockets>=13'
+fi
+
 # Preinstalled on our machines; not installed by this script.
 if ! command -v go >/dev/null; then
   echo "error: go not found in PATH. Install Go >= 1.25 (https://go.dev/dl/) and put it on PATH;" \

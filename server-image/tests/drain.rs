@@ -1,0 +1,145 @@
+//! Drain and shed on real sockets: authenticated `POST /shed` and
+//! `POST /drain`, SIGTERM with a drain rate, the drain deadline. Counts are
+//! exact; rates are checked from below (the server may never close faster
+//! than asked) with a generous ceiling, so a slow machine cannot fail them.
+
+mod common;
+
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+
+const TOKEN: &str = "t0ken-for-tests";
+const GOODBYE_1001: [u8; 4] = [0x88, 0x02, 0x03, 0xe9];
+
+fn ws_server(workers: u16, extra: &[&str]) -> Server {
+    let mut args = vec!["--protocol", "websocket"];
+    args.extend_from_slice(extra);
+    Server::start_with(Opts {
+        workers,
+        args: &args,
+        env: &[("C10M_ADMIN_TOKEN", TOKEN)],
+        ..Opts::default()
+    })
+}
+
+/// Seconds between the first and the last of the endings seen.
+fn span(endings: &[Option<Ending>]) -> f64 {
+    let ts: Vec<_> = endings.iter().flatten().map(|e| e.at).collect();
+    let (a, b) = (ts.iter().min().unwrap(), ts.iter().max().unwrap());
+    (*b - *a).as_secs_f64()
+}
+
+#[test]
+fn shed_needs_the_token_then_closes_exactly_count_at_rate_with_1001() {
+    let server = ws_server(2, &[]);
+    let mut conns: Vec<TcpStream> = (0..300).map(|_| ws_connect(&server)).collect();
+    server.wait_metrics("300 live", |m| sum(m, "c10m_connections") == 300.0);
+
+    assert_eq!(server.post("/shed?count=100&rate=200", None).0, 401);
+    assert_eq!(
+        server.post("/shed?count=100&rate=200", Some("wrong")).0,
+        401
+    );
+    assert_eq!(server.post("/shed?rate=200", Some(TOKEN)).0, 400);
+    let (status, body) = server.post("/shed?count=100&rate=200", Some(TOKEN));
+    assert_eq!(status, 202, "{body}");
+    assert!(body.contains("\"count\":100"), "{body}");
+
+    let endings = watch_endings(&mut conns, 100, Duration::from_secs(10));
+    let m = server.wait_metrics("100 shed", |m| {
+        sample(m, "c10m_connections_closed_total{reason=\"shed\"}") == Some(100.0)
+    });
+    assert_eq!(sum(&m, "c10m_connections"), 200.0);
+    assert_eq!(value(&m, "c10m_draining"), 0.0);
+    let ended: Vec<&Ending> = endings.iter().flatten().collect();
+    assert_eq!(ended.len(), 100, "exactly count connections closed");
+    for e in &ended {
+        assert_eq!(e.bytes, GOODBYE_1001, "WebSocket close 1001 then EOF");
+    }
+    // 100 closes at 200/s: one at once, the other 99 over >= 0.495 s.
+    let s = span(&endings);
+    assert!(
+        (0.45..5.0).contains(&s),
+        "100 closes at 200/s took {s:.3} s"
+    );
+
+    // Still accepting while shedding, and the survivors still echo.
+    let mut fresh = ws_connect(&server);
+    ws_echo(&mut fresh, b"new after shed");
+    for (c, e) in conns.iter_mut().zip(&endings) {
+        if e.is_none() {
+            ws_echo(c, b"survivor");
+        }
+    }
+}
+
+#[test]
+fn post_drain_closes_everything_at_rate_then_exits_zero() {
+    let mut server = Server::start_with(Opts {
+        workers: 2,
+        env: &[("C10M_ADMIN_TOKEN", TOKEN)],
+        ..Opts::default()
+    });
+    let mut conns: Vec<TcpStream> = (0..200).map(|_| server.connect()).collect();
+    for c in &mut conns {
+        echo_once(c, b"hi");
+    }
+    assert_eq!(server.post("/drain?rate=400", Some("nope")).0, 401);
+    let (status, body) = server.post("/drain?rate=400", Some(TOKEN));
+    assert_eq!(status, 202, "{body}");
+    let endings = watch_endings(&mut conns, 200, Duration::from_secs(10));
+    assert_eq!(endings.iter().flatten().count(), 200);
+    assert!(
+        endings.iter().flatten().all(|e| e.bytes.is_empty()),
+        "echo goodbye is a bare FIN"
+    );
+    let s = span(&endings);
+    assert!(
+        (0.45..5.0).contains(&s),
+        "200 closes at 400/s took {s:.3} s"
+    );
+    let status = server.wait_exit(Duration::from_secs(5));
+    assert_eq!(status.code(), Some(0), "{status}");
+}
+
+#[test]
+fn sigterm_drains_websockets_at_the_flag_rate_with_1001() {
+    let mut server = ws_server(2, &["--drain-rate", "300"]);
+    let mut conns: Vec<TcpStream> = (0..150).map(|_| ws_connect(&server)).collect();
+    server.wait_metrics("150 live", |m| sum(m, "c10m_connections") == 150.0);
+    server.signal(rustix::process::Signal::TERM);
+    let endings = watch_endings(&mut conns, 150, Duration::from_secs(10));
+    assert_eq!(endings.iter().flatten().count(), 150);
+    for e in endings.iter().flatten() {
+        assert_eq!(e.bytes, GOODBYE_1001);
+    }
+    let s = span(&endings);
+    assert!((0.4..5.0).contains(&s), "150 closes at 300/s took {s:.3} s");
+    assert_eq!(server.wait_exit(Duration::from_secs(5)).code(), Some(0));
+}
+
+#[test]
+fn drain_deadline_closes_the_rest_and_exits() {
+    let mut server = Server::start(1, &["--drain-rate", "10", "--drain-timeout-secs", "1"]);
+    let mut conns: Vec<TcpStream> = (0..100).map(|_| server.connect()).collect();
+    for c in &mut conns {
+        echo_once(c, b"x");
+    }
+    server.signal(rustix::process::Signal::TERM);
+    let endings = watch_endings(&mut conns, 100, Duration::from_secs(10));
+    // At 10/s only ~11 fit in the 1 s deadline; the rest close at it.
+    assert_eq!(endings.iter().flatten().count(), 100);
+    assert_eq!(server.wait_exit(Duration::from_secs(5)).code(), Some(0));
+}
+
+#[test]
+fn without_a_token_orders_are_refused() {
+    let server = Server::start(1, &[]);
+    let (status, _) = server.post("/drain", Some("anything"));
+    assert_eq!(status, 401);
+    assert_eq!(server.post("/shed?count=1", None).0, 401);
+    assert_eq!(server.http("GET", "/drain", None).unwrap().0, 405);
+    assert_eq!(server.http("GET", "/healthz", None).unwrap().0, 200);
+}
