@@ -23,6 +23,10 @@ if [[ ! -d "$C10M_STATE" ]]; then
   exit 0
 fi
 
+# The harness's daemons first: they are clients of the apiserver.
+bash "$here/pod-runner.sh" stop || echo "down: pod-runner.sh stop failed" >&2
+bash "$here/prometheus.sh" stop || echo "down: prometheus.sh stop failed" >&2
+
 take_lock
 
 # Processes of this plane whose pid files were lost (running a cached plane
