@@ -2,7 +2,9 @@
 # `make test`: every test of the workspace — unit, property, and end-to-end
 # against the local control plane. Brings the plane up if it is not running
 # and, in that case, tears it down afterwards (a plane left by `make demo` is
-# used and left running).
+# used and left running). Prometheus and the pod runner, which tests start
+# on demand (tests/cluster/prometheus.sh, pod-runner.sh), are stopped in both
+# cases.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/cluster/env.sh"
@@ -12,6 +14,9 @@ if ! KUBECONFIG=$KUBECONFIG_PATH kubectl get --raw /readyz >/dev/null 2>&1; then
   started=1
 fi
 cleanup() {
+  # The metrics harness (started by tests on demand) stops either way.
+  bash "$here/cluster/pod-runner.sh" stop >/dev/null 2>&1 || true
+  bash "$here/cluster/prometheus.sh" stop >/dev/null 2>&1 || true
   if [[ -n "$started" ]]; then bash "$here/cluster/down.sh" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT

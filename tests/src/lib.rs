@@ -311,3 +311,144 @@ pub fn service_account_kubeconfig(ns: &str, sa: &str) -> PathBuf {
     std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
     path
 }
+
+// ---------------------------------------------------------------- metrics harness
+//
+// Real Prometheus and real servers behind the fleets' pods (tests/cluster/
+// prometheus.sh and pod-runner.sh). Both are shared by every test on the
+// machine and left running; tests/run.sh and down.sh stop them.
+
+/// Runs `bash tests/cluster/<script> <arg>`; panics with its output on failure.
+/// Inside `cargo test` the harness binaries cargo built next to the test
+/// (`target/debug/`) are used, so the scripts need not run cargo themselves.
+fn harness_script(script: &str, arg: &str) -> String {
+    let mut cmd = Command::new("bash");
+    cmd.arg(workspace().join("tests/cluster").join(script))
+        .arg(arg);
+    if std::env::var_os("C10M_E2E_BIN_DIR").is_none()
+        && let Some(dir) = std::env::current_exe()
+            .ok()
+            .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
+        && ["c10m-pod-runner", "c10m-prom-sd"]
+            .iter()
+            .all(|b| dir.join(b).is_file())
+    {
+        cmd.env("C10M_E2E_BIN_DIR", dir);
+    }
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {script}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{script} {arg} failed:\n{text}");
+    text
+}
+
+/// The harness's Prometheus: Debian's `prometheus` on 127.0.0.1:19090,
+/// scraping every Running pod annotated `prometheus.io/scrape=true` every
+/// 2 s, with labels `namespace`, `pod` and `fleet` (tests/cluster/prometheus.sh).
+pub struct Prometheus;
+
+impl Prometheus {
+    /// Starts Prometheus unless it is already running (idempotent, safe to
+    /// call from every test) and returns its URL, `http://127.0.0.1:19090`.
+    pub fn ensure() -> String {
+        harness_script("prometheus.sh", "start");
+        Self::url()
+    }
+
+    /// Its URL (whether or not it runs).
+    pub fn url() -> String {
+        harness_script("prometheus.sh", "url").trim().to_string()
+    }
+
+    /// Stops it (for metric-outage tests; `ensure` starts it again, with
+    /// its data kept).
+    pub fn stop() {
+        harness_script("prometheus.sh", "stop");
+    }
+}
+
+/// The harness's pod runner: a real `c10m-server` bound to the IP of every
+/// Running pod labelled `app.kubernetes.io/managed-by=c10m-operator`, with
+/// the env of the pod's `server` container; SIGTERM when the pod goes away
+/// (tests/cluster/pod-runner.sh). Servers' logs:
+/// `$C10M_STATE/logs/pods/<namespace>_<pod>.log`.
+pub struct PodRunner;
+
+impl PodRunner {
+    /// Starts the pod runner unless it is already running (idempotent).
+    /// Needs `target/debug/c10m-server` (`make test` builds it).
+    pub fn ensure() {
+        harness_script("pod-runner.sh", "start");
+    }
+
+    /// Stops it, and with it every server it runs.
+    pub fn stop() {
+        harness_script("pod-runner.sh", "stop");
+    }
+}
+
+/// A Prometheus instant query at `url` (e.g. from [`Prometheus::ensure`]):
+/// one `(labels, value)` per series of a vector result (a scalar result is
+/// one series without labels). Panics if Prometheus cannot be reached or
+/// rejects the query; use [`try_prom_query`] to handle that.
+pub fn prom_query(
+    url: &str,
+    promql: &str,
+) -> Vec<(std::collections::BTreeMap<String, String>, f64)> {
+    try_prom_query(url, promql).unwrap_or_else(|e| panic!("query {promql:?} at {url}: {e:#}"))
+}
+
+/// [`prom_query`] that returns errors (unreachable, HTTP or PromQL errors)
+/// instead of panicking. Loopback URLs only; no proxy; 5 s timeout.
+pub fn try_prom_query(
+    url: &str,
+    promql: &str,
+) -> anyhow::Result<Vec<(std::collections::BTreeMap<String, String>, f64)>> {
+    anyhow::ensure!(
+        url.starts_with("http://127.") || url.starts_with("http://localhost"),
+        "{url} is not a loopback URL"
+    );
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .proxy(None)
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    let mut resp = agent
+        .get(format!("{}/api/v1/query", url.trim_end_matches('/')))
+        .query("query", promql)
+        .call()?;
+    let status = resp.status();
+    let body: Value = serde_json::from_str(&resp.body_mut().read_to_string()?)?;
+    anyhow::ensure!(
+        status.is_success() && body["status"] == "success",
+        "HTTP {status}: {body}"
+    );
+    let value = |v: &Value| -> anyhow::Result<f64> {
+        let s = v[1].as_str().unwrap_or_default();
+        s.parse::<f64>()
+            .map_err(|e| anyhow::anyhow!("sample {s:?}: {e}"))
+    };
+    let data = &body["data"];
+    Ok(match data["resultType"].as_str() {
+        Some("vector") => data["result"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                let labels = r["metric"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect();
+                Ok((labels, value(&r["value"])?))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        Some("scalar") => vec![(Default::default(), value(&data["result"])?)],
+        other => anyhow::bail!("unsupported result type {other:?} for {promql:?}"),
+    })
+}
