@@ -6,9 +6,12 @@
 //! `/metrics` and `/healthz`. SIGTERM/SIGINT drain and exit 0.
 //!
 //! Modules, in start-up order: [`config`] (flags), [`limits`] (RLIMIT_NOFILE,
-//! connection cap, CPU pinning), [`metrics`], [`worker`] (listeners and event
-//! loops) over [`conn`] (per-connection state and protocol), [`admin`] (HTTP),
-//! and [`server`], which wires them together.
+//! connection cap, CPU pinning), [`metrics`] and [`system`] (/proc readers),
+//! [`worker`] (listeners, event loops, timeouts, drain and shed orders) over
+//! [`conn`] (per-connection state, echo and WebSocket pumps) and [`ws`]
+//! (RFC 6455 as pure functions), [`admin`] (HTTP), and [`server`], which
+//! wires them together. [`loadgen`] is the `c10m-loadgen` binary's code;
+//! [`sysctl`] is `c10m-sysctl`'s.
 
 #![warn(missing_docs)]
 

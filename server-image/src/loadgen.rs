@@ -93,6 +93,12 @@ pub struct Args {
     /// Seconds to ping (and hold) after settling; 0: hold until SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10.0)]
     pub hold: f64,
+    /// Split the ping period into this many equal windows and report each
+    /// window's p99 too (`windowRttP99Us`), so a burst of unrelated load on
+    /// a shared machine shows up as one outlying window instead of moving
+    /// the whole run's tail. Needs `--hold` > 0.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub windows: u32,
     /// Second octet of the first process's source addresses (127.S.x.y).
     #[arg(long, default_value_t = 100)]
     pub source_net: u8,
@@ -178,7 +184,7 @@ pub enum Event {
         ramp_seconds: f64,
     },
     /// Final report.
-    Result(Report),
+    Result(Box<Report>),
 }
 
 /// What a run measured.
@@ -217,14 +223,29 @@ pub struct Report {
     pub rtt_p999_us: u64,
     /// Longest round trip, microseconds.
     pub rtt_max_us: u64,
+    /// 99th percentile round trip of each `--windows` window, microseconds.
+    #[serde(default)]
+    pub window_rtt_p99_us: Vec<u64>,
     /// The round-trip histogram, HdrHistogram V2, base64 (children only).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub histogram: String,
+    /// Per-window histograms, as `histogram` (children only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub window_histograms: Vec<String>,
 }
 
 /// A fresh round-trip histogram (1 µs to [`MAX_RTT_US`], 3 digits).
 pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, MAX_RTT_US, 3).expect("valid histogram bounds")
+}
+
+/// 99th percentile of `h` (0 if empty).
+pub fn p99(h: &Histogram<u64>) -> u64 {
+    if h.is_empty() {
+        0
+    } else {
+        h.value_at_quantile(0.99)
+    }
 }
 
 /// Encodes a histogram as base64 HdrHistogram V2.
@@ -315,6 +336,8 @@ struct Gen {
     next_active: usize,
     report: Report,
     hist: Histogram<u64>,
+    windows: Vec<Histogram<u64>>,
+    window: usize,
     rng: fastrand::Rng,
     retry: BinaryHeap<Reverse<(Instant, usize)>>,
     open: u64,
@@ -378,6 +401,8 @@ impl Gen {
                 ..Report::default()
             },
             hist: new_histogram(),
+            windows: (0..args.windows).map(|_| new_histogram()).collect(),
+            window: 0,
             rng,
             retry: BinaryHeap::new(),
             open: 0,
@@ -564,6 +589,9 @@ impl Gen {
                 if c.got >= want {
                     let us = at.elapsed().as_micros().clamp(1, u128::from(MAX_RTT_US)) as u64;
                     let _ = self.hist.record(us);
+                    if let Some(w) = self.windows.get_mut(self.window) {
+                        let _ = w.record(us);
+                    }
                     self.report.pongs += 1;
                     c.ping_at = None;
                     c.got = 0;
@@ -676,6 +704,11 @@ impl Gen {
                     if self.args.hold > 0.0 && now >= end {
                         break;
                     }
+                    if self.args.hold > 0.0 {
+                        let frac = (now - t0).as_secs_f64() / self.args.hold;
+                        self.window = ((frac * f64::from(self.args.windows)) as usize)
+                            .min(self.windows.len().saturating_sub(1));
+                    }
                     if per_proc_ping > 0.0 {
                         let due = ((now - t0).as_secs_f64() * per_proc_ping) as u64 + 1;
                         while pinged < due {
@@ -745,6 +778,8 @@ impl Gen {
         }
         self.report.set_rtt(&self.hist);
         self.report.histogram = encode_histogram(&self.hist);
+        self.report.window_rtt_p99_us = self.windows.iter().map(p99).collect();
+        self.report.window_histograms = self.windows.iter().map(encode_histogram).collect();
         Ok(self.report)
     }
 }
@@ -778,7 +813,7 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
     if let Some(child) = args.child {
         let g = Gen::new(args.clone(), child, args.connections)?;
         let report = g.run(&stop, &mut |e| emit_line(e))?;
-        emit_line(&Event::Result(report.clone()));
+        emit_line(&Event::Result(Box::new(report.clone())));
         return Ok(report);
     }
     let procs = args.connections.div_ceil(args.per_process.max(1)).max(1);
@@ -812,6 +847,7 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
             .arg(format!("--ping-rate={}", args.ping_rate / procs as f64))
             .arg(format!("--settle={}", args.settle))
             .arg(format!("--hold={}", args.hold))
+            .arg(format!("--windows={}", args.windows))
             .arg(format!("--source-net={}", args.source_net))
             .arg(format!("--per-process={}", args.per_process))
             .arg(format!("--backoff-min-ms={}", args.backoff_min_ms))
@@ -889,7 +925,7 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
                     }
                 }
             }
-            Ok((i, Event::Result(r))) => results[i] = Some(r),
+            Ok((i, Event::Result(r))) => results[i] = Some(*r),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
         }
@@ -909,12 +945,19 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
     }
     let mut report = Report::default();
     let mut hist = new_histogram();
+    let mut windows: Vec<Histogram<u64>> = (0..args.windows).map(|_| new_histogram()).collect();
     for r in results.iter().flatten() {
         report.absorb(r);
         if let Some(h) = decode_histogram(&r.histogram) {
             let _ = hist.add(&h);
         }
+        for (w, enc) in windows.iter_mut().zip(&r.window_histograms) {
+            if let Some(h) = decode_histogram(enc) {
+                let _ = w.add(&h);
+            }
+        }
     }
+    report.window_rtt_p99_us = windows.iter().map(p99).collect();
     anyhow::ensure!(
         results.iter().all(Option::is_some),
         "{} of {k} load generator processes did not report",

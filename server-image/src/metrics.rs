@@ -233,7 +233,7 @@ pub struct Metrics {
     pub draining: Gauge,
     /// `c10m_workers`: worker threads (one listener and event loop each).
     pub workers: Gauge,
-    /// `c10m_shedding`: connections still to close on the current
+    /// `c10m_close_pending`: connections still to close on the current
     /// `POST /shed` or drain order (0 when none is running).
     pub close_pending: Gauge,
     tcp_sockets: Family<SockLabel, Gauge>,

@@ -14,7 +14,7 @@ fn main() -> ExitCode {
         Ok(report) => {
             if !child {
                 let line = if events {
-                    serde_json::to_string(&Event::Result(report))
+                    serde_json::to_string(&Event::Result(Box::new(report)))
                 } else {
                     serde_json::to_string_pretty(&report)
                 };
