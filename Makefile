@@ -66,7 +66,7 @@ bench-server:
 	python3 server-image/bench/server_bench.py --out target/bench/server.json
 
 test-server-scale:
-	$(CARGO) test --release -p c10m-server --test scale -- --ignored --nocapture
+	$(CARGO) test --release -p c10m-server --test scale -- --ignored --nocapture --test-threads 1
 
 FUZZ_SECONDS ?= 20
 fuzz:

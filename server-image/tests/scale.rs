@@ -1,8 +1,14 @@
-//! End-to-end at scale: 40,000 connections held across 3 `c10m-server`
-//! processes sharing one port (SO_REUSEPORT), opened and pinged by
-//! `c10m-loadgen` (3 child processes: 20,000 descriptors per process here),
-//! with zero errors. Takes ~30 s, so it is ignored by `cargo test` and run
-//! by `make test-server-scale`.
+//! End-to-end at scale, ignored by `cargo test` and run by
+//! `make test-server-scale`:
+//!
+//! - 40,000 connections held across 3 `c10m-server` processes sharing one
+//!   port (SO_REUSEPORT), opened and pinged by `c10m-loadgen` (3 child
+//!   processes: 20,000 descriptors per process here), with zero errors;
+//! - 100,000 abusive connections (slowloris, garbage, oversize frames,
+//!   resets) leave no descriptor or memory growth while a well-behaved
+//!   WebSocket client keeps working.
+
+mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -125,4 +131,114 @@ fn holds_40k_connections_across_3_processes_with_zero_errors() {
     assert_eq!(r["closedByServer"], 0);
     assert!(r["pings"].as_u64().unwrap() > 1000, "{r}");
     assert_eq!(r["pings"], r["pongs"], "every ping answered");
+}
+
+/// Connects from `src` (port chosen at connect time) to `dst`, blocking.
+fn connect_from(src: Ipv4Addr, dst: SocketAddr) -> TcpStream {
+    use std::os::fd::AsRawFd;
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let one: libc::c_int = 1;
+    // SAFETY: setsockopt on a socket we own, pointer to a live c_int.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IP,
+            c10m_server::loadgen::IP_BIND_ADDRESS_NO_PORT,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    s.bind(&SocketAddr::from((src, 0)).into()).unwrap();
+    s.connect(&dst.into()).unwrap();
+    let s: TcpStream = s.into();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+#[test]
+#[ignore = "100k abusive connections, ~1 min: run with `make test-server-scale`"]
+fn abuse_100k_leaves_no_fd_or_memory_growth() {
+    use common::*;
+    const ROUNDS: usize = 20;
+    const EACH: usize = 1250; // per kind per round: 4 x 1,250 x 20 = 100,000
+    let server = Server::start(
+        2,
+        &["--protocol", "websocket", "--handshake-timeout-secs", "1"],
+    );
+    let pid = server.child.id();
+    let mut good = ws_connect(&server);
+    ws_echo(&mut good, b"before");
+    let fds0 = open_fds(pid);
+    let mut n: u64 = 0;
+    let mut src = || {
+        n += 1;
+        Ipv4Addr::new(127, 79, ((n / 250) % 250) as u8 + 1, (n % 250) as u8 + 1)
+    };
+    let mut rss_after_first = 0;
+    for round in 1..=ROUNDS {
+        let mut held = Vec::with_capacity(3 * EACH);
+        for _ in 0..EACH {
+            let mut s = connect_from(src(), server.addr);
+            s.write_all(b"GET / HTTP/1.1\r\nHo").unwrap();
+            held.push(s);
+        }
+        for _ in 0..EACH {
+            let mut s = connect_from(src(), server.addr);
+            s.write_all(b"\x16\x03\x01\x00garbage\r\n\r\n").unwrap();
+            held.push(s);
+        }
+        for _ in 0..EACH {
+            let mut s = ws_upgrade(connect_from(src(), server.addr));
+            let mut h = vec![0x82, 0xff];
+            h.extend_from_slice(&(1u64 << 20).to_be_bytes());
+            h.extend_from_slice(&[1, 2, 3, 4]);
+            s.write_all(&h).unwrap();
+            held.push(s);
+        }
+        for _ in 0..EACH {
+            let mut s = ws_upgrade(connect_from(src(), server.addr));
+            s.write_all(&[0x81, 0x85, 1, 2]).unwrap();
+            socket2::SockRef::from(&s)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+        }
+        let k = (EACH * round) as f64;
+        let m = server.wait_metrics_for("round closed", Duration::from_secs(20), |m| {
+            sum(m, "c10m_connections") == 1.0
+                && sample(
+                    m,
+                    "c10m_connections_closed_total{reason=\"handshake_timeout\"}",
+                ) == Some(k)
+        });
+        assert_eq!(
+            value(
+                &m,
+                "c10m_connections_closed_total{reason=\"bad_handshake\"}"
+            ),
+            k
+        );
+        assert_eq!(
+            value(&m, "c10m_connections_closed_total{reason=\"too_large\"}"),
+            k
+        );
+        drop(held);
+        ws_echo(&mut good, format!("round {round}").as_bytes());
+        if round == 1 {
+            rss_after_first = rss_bytes(pid);
+        }
+    }
+    let m = server.wait_metrics("resets counted", |m| {
+        sample(m, "c10m_connections_closed_total{reason=\"reset\"}").unwrap_or(0.0)
+            + sample(m, "c10m_connections_closed_total{reason=\"peer\"}").unwrap_or(0.0)
+            == (EACH * ROUNDS) as f64
+    });
+    assert_eq!(sum(&m, "c10m_connections"), 1.0);
+    let (fds, rss) = (open_fds(pid), rss_bytes(pid));
+    eprintln!("fds {fds0} -> {fds}; rss after round 1 {rss_after_first} B, after 100k {rss} B");
+    assert_eq!(fds, fds0, "descriptors leaked");
+    assert!(
+        rss <= rss_after_first + 1024 * 1024,
+        "resident memory grew from {rss_after_first} to {rss} bytes over 95,000 more abusive connections"
+    );
 }

@@ -339,7 +339,11 @@ pub fn upgrade_request(key: &str) -> String {
 
 /// Opens a connection and completes the WebSocket upgrade with raw bytes.
 pub fn ws_connect(server: &Server) -> TcpStream {
-    let mut s = server.connect();
+    ws_upgrade(server.connect())
+}
+
+/// Completes the WebSocket upgrade on a connected stream with raw bytes.
+pub fn ws_upgrade(mut s: TcpStream) -> TcpStream {
     s.write_all(upgrade_request("dGhlIHNhbXBsZSBub25jZQ==").as_bytes())
         .unwrap();
     let mut head = Vec::new();
