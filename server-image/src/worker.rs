@@ -329,6 +329,7 @@ pub fn spawn(
         out: Vec::new(),
         doomed: Vec::new(),
         last_sweep: 0,
+        ready: Vec::new(),
     };
     let cpu = spec.cpu;
     let thread = std::thread::Builder::new()
@@ -379,6 +380,9 @@ struct Worker {
     /// Keys to close, collected by a sweep or an order batch.
     doomed: Vec<(usize, CloseReason)>,
     last_sweep: u32,
+    /// Connections that used up their read budget with data left: driven
+    /// again on the next turn of the loop without waiting for an event.
+    ready: Vec<usize>,
 }
 
 type Conns = Slab<Conn<TcpStream>>;
@@ -397,8 +401,11 @@ impl Worker {
         let mut events = Events::with_capacity(EVENTS_CAPACITY);
         let mut scratch = vec![0u8; SCRATCH_BYTES].into_boxed_slice();
         let mut conns: Conns = Slab::new();
+        let mut again = Vec::new();
         loop {
-            let timeout = if self.order.is_some() {
+            let timeout = if !self.ready.is_empty() {
+                Some(Duration::ZERO)
+            } else if self.order.is_some() {
                 Some(ORDER_TICK)
             } else if self.sweeps() && !conns.is_empty() {
                 // Wake at the next whole second of the worker's clock.
@@ -415,6 +422,12 @@ impl Worker {
                 return Err(e);
             }
             let now = self.tick();
+            // Budget-limited connections first, then the new events; a key
+            // reused since is driven once for nothing (its read would block).
+            std::mem::swap(&mut again, &mut self.ready);
+            for key in again.drain(..) {
+                self.drive(&mut conns, key, &mut scratch, now);
+            }
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_all(&mut conns, now),
@@ -564,6 +577,13 @@ impl Worker {
             self.metrics.sent_bytes.inc_by(traffic.sent);
         }
         let interest = match status {
+            Status::Busy => {
+                self.ready.push(key);
+                if !was_blocked {
+                    return;
+                }
+                Interest::READABLE
+            }
             Status::Idle if was_blocked => Interest::READABLE,
             Status::Blocked if !was_blocked => {
                 tracing::trace!(

@@ -382,3 +382,35 @@ fn bad_flags_exit_nonzero() {
         assert!(help.contains(flag), "{flag} missing from --help");
     }
 }
+
+#[test]
+fn a_flooding_client_does_not_starve_others_on_its_worker() {
+    // One worker: a client streaming 64 MiB (and reading it back) shares the
+    // event loop with a client doing small round trips, which keep working
+    // because each turn reads at most READ_BUDGET chunks per connection.
+    const LEN: usize = 64 << 20;
+    let server = Server::start(1, &[]);
+    let flood = server.connect();
+    let mut w = flood.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let chunk = vec![7u8; 1 << 20];
+        for _ in 0..LEN >> 20 {
+            w.write_all(&chunk).unwrap();
+        }
+    });
+    let mut r = flood;
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        let mut got = 0;
+        while got < LEN {
+            got += r.read(&mut buf).unwrap();
+        }
+        got
+    });
+    let mut small = server.connect();
+    for i in 0..200 {
+        echo_once(&mut small, format!("small {i}").as_bytes());
+    }
+    writer.join().unwrap();
+    assert_eq!(reader.join().unwrap(), LEN);
+}
