@@ -35,6 +35,8 @@ pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
     shortname = "cfleet",
     namespaced,
     status = "ConnectionFleetStatus",
+    doc = "A fleet of SO_REUSEPORT server shards that must hold spec.connections concurrent connections; the operator plans shards, sysctls and resources and reports them in status.plan.",
+    validation = kube::core::Rule::new("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 63").message("metadata.name must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter) of at most 63 characters: it names the fleet's Service"),
     printcolumn(
         name = "Connections",
         type_ = "integer",
@@ -122,6 +124,240 @@ pub struct ConnectionFleetSpec {
     /// Where shards may run.
     #[serde(default)]
     pub placement: Placement,
+
+    /// Scaling between the declared floor and shard.maxShards from live
+    /// connections and socket memory (opt-in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+
+    /// Moving held connections from hot shards to cold ones (opt-in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<RebalanceSpec>,
+
+    /// Where live connections and socket memory come from.
+    #[serde(default)]
+    pub metrics: MetricsSpec,
+
+    /// How a shard that goes away closes its connections.
+    #[serde(default)]
+    pub drain: DrainSpec,
+}
+
+/// HPA-like autoscaling on live connections. The declared `spec.connections`
+/// stays the floor; the result and its reason go to `status.autoscaling`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingSpec {
+    /// Turns autoscaling on.
+    #[serde(default)]
+    pub enabled: bool,
+
+    /// Percent of each shard's connection cap the autoscaler aims for. Default 80.
+    #[serde(default = "default_target_utilization")]
+    #[schemars(range(min = 10, max = 100))]
+    pub target_utilization_percent: i32,
+
+    /// Changes of the desired/current ratio within this percent are ignored. Default 10.
+    #[serde(default = "default_tolerance")]
+    #[schemars(range(min = 0, max = 50))]
+    pub tolerance_percent: i32,
+
+    /// Socket memory (TCP mem) above this percent of the node's tcp_mem
+    /// pressure threshold adds shards. Default 80.
+    #[serde(default = "default_socket_memory_percent")]
+    #[schemars(range(min = 10, max = 100))]
+    pub socket_memory_percent: i32,
+
+    /// Seconds between metric reads. Default 10.
+    #[serde(default = "default_sync_period")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub sync_period_seconds: i32,
+
+    /// Scale-up behaviour. Default: no stabilization, at most +100 % or +4 shards per 15 s (the larger).
+    #[serde(default = "ScalingRules::default_up")]
+    pub scale_up: ScalingRules,
+
+    /// Scale-down behaviour. Default: 300 s stabilization, at most −10 % or −1 shard per 60 s (the larger).
+    #[serde(default = "ScalingRules::default_down")]
+    pub scale_down: ScalingRules,
+}
+
+fn default_target_utilization() -> i32 {
+    80
+}
+fn default_tolerance() -> i32 {
+    10
+}
+fn default_socket_memory_percent() -> i32 {
+    80
+}
+fn default_sync_period() -> i32 {
+    10
+}
+
+/// Rate limits and stabilization of one scaling direction (as the HPA's `behavior`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingRules {
+    /// Seconds of past recommendations considered: scale-up takes the lowest,
+    /// scale-down the highest recommendation in the window.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 3600))]
+    pub stabilization_window_seconds: i32,
+
+    /// Most shards added/removed per period.
+    #[schemars(range(min = 1, max = 100_000))]
+    pub shards_per_period: i32,
+
+    /// Most percent of the current shards added/removed per period.
+    #[schemars(range(min = 1, max = 1000))]
+    pub percent_per_period: i32,
+
+    /// Length of the rate-limit period, seconds.
+    #[schemars(range(min = 1, max = 3600))]
+    pub period_seconds: i32,
+}
+
+impl ScalingRules {
+    /// Scale-up default (like the HPA's: fast).
+    pub fn default_up() -> Self {
+        ScalingRules {
+            stabilization_window_seconds: 0,
+            shards_per_period: 4,
+            percent_per_period: 100,
+            period_seconds: 15,
+        }
+    }
+    /// Scale-down default (like the HPA's: cautious).
+    pub fn default_down() -> Self {
+        ScalingRules {
+            stabilization_window_seconds: 300,
+            shards_per_period: 1,
+            percent_per_period: 10,
+            period_seconds: 60,
+        }
+    }
+}
+
+/// Rebalancing held connections after scale-outs and restarts.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RebalanceSpec {
+    /// Turns rebalancing on.
+    #[serde(default)]
+    pub enabled: bool,
+
+    /// Act when the hottest shard holds more than this percent of the mean
+    /// shard load (120 = 1.2 × mean). Default 120.
+    #[serde(default = "default_max_to_mean")]
+    #[schemars(range(min = 101, max = 1000))]
+    pub max_to_mean_percent: i32,
+
+    /// Seconds the imbalance must last before shards are told to shed. Default 20.
+    #[serde(default = "default_rebalance_window")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub window_seconds: i32,
+
+    /// Most connections per second the whole fleet closes for rebalancing
+    /// (clients reconnect at this rate). Default 1000.
+    #[serde(default = "default_max_reconnect_rate")]
+    #[schemars(range(min = 1, max = 10_000_000))]
+    pub max_reconnect_rate: i64,
+}
+
+fn default_max_to_mean() -> i32 {
+    120
+}
+fn default_rebalance_window() -> i32 {
+    20
+}
+fn default_max_reconnect_rate() -> i64 {
+    1000
+}
+
+/// Metric queries. `{namespace}` and `{fleet}` are replaced before a query runs.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MetricsSpec {
+    /// PromQL giving live connections per shard, one series per pod with a
+    /// `pod` label. Default: the bundled server's `c10m_connections`.
+    #[serde(default = "default_connections_query")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub connections_query: String,
+
+    /// PromQL giving the TCP socket memory of the fleet's nodes in bytes
+    /// (one value: the highest). Default: the bundled server's sockstat gauge.
+    #[serde(default = "default_socket_memory_query")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub socket_memory_query: String,
+
+    /// PromQL giving the scrape health of each shard (`up`), whose sample
+    /// timestamps tell how fresh the data is.
+    #[serde(default = "default_up_query")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub up_query: String,
+
+    /// Seconds a query may take. Default 5.
+    #[serde(default = "default_query_timeout")]
+    #[schemars(range(min = 1, max = 60))]
+    pub query_timeout_seconds: i32,
+
+    /// Samples older than this many seconds are stale. Default 30.
+    #[serde(default = "default_stale_after")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub stale_after_seconds: i32,
+}
+
+fn default_connections_query() -> String {
+    r#"sum by (pod) (c10m_connections{namespace="{namespace}",fleet="{fleet}"})"#.into()
+}
+fn default_socket_memory_query() -> String {
+    r#"max(c10m_tcp_memory_bytes{namespace="{namespace}",fleet="{fleet}"})"#.into()
+}
+fn default_up_query() -> String {
+    r#"up{namespace="{namespace}",fleet="{fleet}"}"#.into()
+}
+fn default_query_timeout() -> i32 {
+    5
+}
+fn default_stale_after() -> i32 {
+    30
+}
+
+impl Default for MetricsSpec {
+    fn default() -> Self {
+        MetricsSpec {
+            connections_query: default_connections_query(),
+            socket_memory_query: default_socket_memory_query(),
+            up_query: default_up_query(),
+            query_timeout_seconds: default_query_timeout(),
+            stale_after_seconds: default_stale_after(),
+        }
+    }
+}
+
+/// How a shard that goes away (scale-in, rollout, node drain) closes its connections.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DrainSpec {
+    /// Connections per second one shard closes while draining (WebSocket
+    /// close 1001 / FIN), so clients reconnect at a bounded rate. Sizes the
+    /// pod's terminationGracePeriodSeconds. Default 2000.
+    #[serde(default = "default_drain_rate")]
+    #[schemars(range(min = 1, max = 10_000_000))]
+    pub rate: i64,
+}
+
+fn default_drain_rate() -> i64 {
+    2000
+}
+
+impl Default for DrainSpec {
+    fn default() -> Self {
+        DrainSpec {
+            rate: default_drain_rate(),
+        }
+    }
 }
 
 /// Backend cost model: what one connection costs in user space.
@@ -471,6 +707,40 @@ pub struct ConnectionFleetStatus {
     /// Connections the shards hold now (from metrics; 0 until metrics are read).
     #[serde(default)]
     pub live_connections: i64,
+
+    /// The autoscaler's last decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingStatus>,
+
+    /// The rebalancer's state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<RebalanceStatus>,
+}
+
+/// What the autoscaler decided and why.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingStatus {
+    /// Shards the autoscaler wants (bounded by the declared floor and shard.maxShards).
+    pub desired_shards: i32,
+    /// Why, in words (e.g. "live 1,200,000 > 80 % of 4 × 375,000").
+    pub reason: String,
+    /// When the shard count last changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+}
+
+/// Rebalancer state.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RebalanceStatus {
+    /// Hottest shard's load over the mean, in percent (100 = balanced).
+    pub max_to_mean_percent: i32,
+    /// Connections shards were told to shed so far.
+    pub shed_ordered: i64,
+    /// When shards were last told to shed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_order_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
 /// The CRD as YAML, exactly as checked into `crds/connectionfleet.yaml`.

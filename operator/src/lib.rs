@@ -7,6 +7,7 @@
 //! (conditions, pure).
 
 pub mod api;
+pub mod autoscale;
 pub mod model;
 pub mod nodes;
 pub mod reconcile;

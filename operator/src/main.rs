@@ -36,6 +36,9 @@ enum Command {
         /// Server-side apply the ConnectionFleet CRD at start-up (false where CRDs are managed elsewhere, e.g. GitOps).
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "C10M_MANAGE_CRD")]
         manage_crd: bool,
+        /// Prometheus base URL (http://host:port) for live connections, autoscaling and rebalancing.
+        #[arg(long, env = "C10M_PROMETHEUS_URL")]
+        prometheus_url: Option<String>,
         /// Serve /metrics and /healthz on this address ("" to disable).
         #[arg(long, default_value = "0.0.0.0:8080", env = "C10M_METRICS_ADDR")]
         metrics_addr: String,
@@ -60,7 +63,7 @@ enum Command {
         #[arg(long)]
         node_memory: Option<String>,
         /// Node CPUs when the manifest has no spec.node.cpus.
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(i64).range(1..=100_000))]
         node_cpus: Option<i64>,
     },
 }
@@ -96,6 +99,16 @@ fn read_fleets(file: &PathBuf) -> anyhow::Result<Vec<ConnectionFleet>> {
         if value.get("kind").and_then(|k| k.as_str()) != Some("ConnectionFleet") {
             continue;
         }
+        let api_version = value
+            .get("apiVersion")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default();
+        if api_version != "c10m.dev/v1alpha1" {
+            bail!(
+                "document {}: apiVersion {api_version:?} is not c10m.dev/v1alpha1",
+                i + 1
+            );
+        }
         let fleet: ConnectionFleet = serde_yaml::from_value(value)
             .with_context(|| format!("document {} is not a valid ConnectionFleet", i + 1))?;
         fleets.push(fleet);
@@ -129,8 +142,9 @@ fn plan_offline(
             .name
             .clone()
             .unwrap_or_else(|| "<unnamed>".into());
-        let node =
-            nodes::resolve(&fleet.spec, observed).with_context(|| format!("fleet {name}"))?;
+        let node = nodes::resolve(&fleet.spec, observed).with_context(|| {
+            format!("fleet {name} (offline: set spec.node.memory and spec.node.cpus, or pass --node-memory and --node-cpus)")
+        })?;
         let plan = model::plan(&fleet.spec, node).with_context(|| format!("fleet {name}"))?;
         out.push((name, fleet.spec.connections, plan));
     }
@@ -207,7 +221,20 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Printing subcommands die quietly when their reader goes away (`| head`),
+/// as command-line tools do; the controller keeps Rust's ignored SIGPIPE so a
+/// closed socket is an error, not a signal.
+fn default_sigpipe() {
+    // SAFETY: restoring the default disposition of a signal has no preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
+    if !matches!(cli.command, Command::Run { .. }) {
+        default_sigpipe();
+    }
     match cli.command {
         Command::Crd => {
             print!("{}", api::crd_yaml());
@@ -227,10 +254,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             log_format,
             manage_crd,
             metrics_addr,
+            prometheus_url,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,kube=warn".into());
-            let builder = tracing_subscriber::fmt().with_env_filter(filter);
+            use std::io::IsTerminal;
+            let builder = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal());
             match log_format {
                 LogFormat::Json => builder.json().init(),
                 LogFormat::Text => builder.init(),
@@ -245,6 +277,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     instance: std::env::var("POD_NAME").ok(),
                     manage_crd,
                     metrics_addr: (!metrics_addr.is_empty()).then_some(metrics_addr),
+                    prometheus_url: prometheus_url.filter(|u| !u.is_empty()),
                 };
                 reconcile::run(client, config).await
             })

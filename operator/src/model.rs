@@ -143,6 +143,13 @@ pub struct Plan {
     pub shards: i32,
     /// Declared connections per shard (the fleet's connections spread evenly).
     pub connections_per_shard: i64,
+    /// Most declared connections one shard can hold under the model (at headroom).
+    pub max_connections_per_shard: i64,
+    /// Connections each shard is sized for (its cap, memory and nofile follow
+    /// from this): connectionsPerShard rounded up to a step of 1/16 of the
+    /// most a shard can hold, so that a small change of spec.connections
+    /// changes only the shard count, not the pod template (no restarts).
+    pub sized_connections_per_shard: i64,
     /// Per-shard connection cap passed to the server: connectionsPerShard plus headroom.
     pub shard_connection_limit: i64,
     /// Shards placed on one node.
@@ -419,8 +426,11 @@ pub fn price_per_hour(spec: &ConnectionFleetSpec) -> Result<Option<f64>, PlanErr
     let Some(raw) = spec.node.as_ref().and_then(|n| n.price_per_hour.as_deref()) else {
         return Ok(None);
     };
+    // The schema's pattern: digits with an optional fraction (no sign, no exponent).
+    let (int, frac) = raw.split_once('.').unwrap_or((raw, "0"));
+    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
     match raw.parse::<f64>() {
-        Ok(p) if p.is_finite() && p >= 0.0 && !raw.starts_with(['+', '-']) => Ok(Some(p)),
+        Ok(p) if digits(int) && digits(frac) && int.len() <= 9 && p.is_finite() => Ok(Some(p)),
         _ => Err(PlanError::Invalid(format!(
             "spec.node.pricePerHour must be a non-negative decimal such as \"2.59\", got {raw:?}"
         ))),
@@ -459,6 +469,21 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<(), PlanError> {
         return bad(format!(
             "spec.backend.queuedPercent must be 0..=100, got {}",
             spec.backend.queued_percent
+        ));
+    }
+    for (field, port) in [
+        ("port", spec.server.port),
+        ("metricsPort", spec.server.metrics_port),
+    ] {
+        if !(1..=65535).contains(&port) {
+            return bad(format!("spec.server.{field} must be 1..=65535, got {port}"));
+        }
+    }
+    if let Some(k) = spec.node.as_ref().and_then(|n| n.kernel_bytes_per_socket)
+        && k < 0
+    {
+        return bad(format!(
+            "spec.node.kernelBytesPerSocket must be >= 0, got {k}"
         ));
     }
     if spec.server.port == spec.server.metrics_port {
@@ -504,7 +529,7 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
         .unwrap_or((0, 0));
     if per_shard == 0 {
         return Err(PlanError::Infeasible(format!(
-            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory or lower spec.shard.cpus",
+            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a 64 MiB base plus its connections)",
             node.memory_bytes,
             PROCESS_BASE_BYTES,
             inputs.user + inputs.kernel_node
@@ -524,7 +549,8 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
             .expect("max_per_shard stops below the search ceiling only when a constraint binds")
     };
     let connections_per_shard = ceil_div(inputs.connections, shards).min(per_shard);
-    let shard_connection_limit = inputs.cap(connections_per_shard);
+    let sized_connections_per_shard = size_step(connections_per_shard, per_shard);
+    let shard_connection_limit = inputs.cap(sized_connections_per_shard);
     let shards_per_node = per_node_shards.min(shards);
     let nodes = ceil_div(shards, shards_per_node);
     let nofile = shard_connection_limit + inputs.fd_reserve;
@@ -553,10 +579,12 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     let plan = Plan {
         shards: shards as i32,
         connections_per_shard,
+        max_connections_per_shard: per_shard,
+        sized_connections_per_shard,
         shard_connection_limit,
         shards_per_node: shards_per_node as i32,
         nodes: nodes as i32,
-        capacity: shards * per_shard,
+        capacity: shards * sized_connections_per_shard,
         connections_per_node,
         bytes_per_connection: BytesPerConnection {
             user: inputs.user,
@@ -587,6 +615,27 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     Ok(plan)
 }
 
+/// The `tcp_mem` pressure threshold (pages) the plan's nodes run with: the
+/// plan's raised value, else the kernel default for the node.
+pub fn tcp_mem_pressure_pages(plan: &Plan) -> i64 {
+    plan.sysctls
+        .get("net.ipv4.tcp_mem")
+        .and_then(|v| v.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            KernelDefaults::for_node(plan.node_memory_bytes, plan.node_cpus as i64).tcp_mem[1]
+        })
+}
+
+/// Steps a shard's size is rounded to: 1/16 of the most one shard holds
+/// (at most 6.25 % of a full shard's memory left unused by rounding).
+pub const SIZE_STEPS: i64 = 16;
+
+/// `n` rounded up to the next step of `max` ÷ [`SIZE_STEPS`], at most `max`.
+pub fn size_step(n: i64, max: i64) -> i64 {
+    round_up(n, ceil_div(max, SIZE_STEPS).max(1)).min(max)
+}
+
 /// Hours in a billing month, as cloud price sheets count them (8,760 h ÷ 12).
 pub const HOURS_PER_MONTH: f64 = 730.0;
 
@@ -603,7 +652,7 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
         return vec![];
     };
     inputs.violations(
-        plan.connections_per_shard,
+        plan.sized_connections_per_shard,
         plan.shards_per_node as i64,
         Some(&plan.sysctls),
     )
@@ -666,8 +715,17 @@ mod tests {
         assert_eq!(p.shards_per_node, 2);
         assert_eq!(p.nodes, 1);
         assert_eq!(p.shards as i64 * p.connections_per_shard, 10_000_000);
-        assert_eq!(p.shard_connection_limit, 6_250_000);
-        assert_eq!(p.nofile, 6_250_000 + fd_reserve(8));
+        assert_eq!(p.connections_per_shard, 5_000_000);
+        let step = ceil_div(p.max_connections_per_shard, SIZE_STEPS);
+        assert_eq!(
+            p.sized_connections_per_shard,
+            ceil_div(5_000_000, step) * step
+        );
+        assert_eq!(
+            p.shard_connection_limit,
+            ceil_div(p.sized_connections_per_shard * 100, 80)
+        );
+        assert_eq!(p.nofile, p.shard_connection_limit + fd_reserve(8));
         assert_eq!(p.sysctls["fs.nr_open"], p.nofile.to_string());
         assert_eq!(p.sysctls["net.core.somaxconn"], "65535");
         assert_eq!(p.monthly_cost, Some(1890.70));
@@ -678,6 +736,26 @@ mod tests {
             "{}",
             p.connections_per_node
         );
+    }
+
+    #[test]
+    fn small_changes_of_connections_keep_the_pod_template() {
+        let at = |c: i64| {
+            plan(
+                &spec(serde_json::json!({"connections": c, "shard": {"minShards": 3}})),
+                NODE,
+            )
+            .unwrap()
+        };
+        let (a, b) = (at(1_000_000), at(1_100_000));
+        assert_eq!(a.shards, b.shards);
+        assert_ne!(a.connections_per_shard, b.connections_per_shard);
+        assert_eq!(
+            (a.shard_connection_limit, a.memory_limit_bytes, a.nofile),
+            (b.shard_connection_limit, b.memory_limit_bytes, b.nofile)
+        );
+        // A larger step does resize the shards.
+        assert!(at(3_000_000).memory_limit_bytes > a.memory_limit_bytes);
     }
 
     #[test]
@@ -845,7 +923,7 @@ mod tests {
             if p.limiting_factor == LimitingFactor::MaxShards { return Ok(()); }
             // One more connection per shard at the node's full packing breaks the named limit.
             let inputs = Inputs::new(&s, node).unwrap();
-            let per_shard = p.capacity / p.shards as i64;
+            let per_shard = p.max_connections_per_shard;
             let v = inputs.violations(per_shard + 1, p.connections_per_node / per_shard, None);
             prop_assert_eq!(v.first().copied(), Some(p.limiting_factor));
         }

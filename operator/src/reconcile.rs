@@ -14,13 +14,15 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::utils::{PredicateConfig, WatchStreamExt};
+use kube::runtime::watcher::{self, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{info, warn};
 
 use crate::api::{ConnectionFleet, ConnectionFleetStatus};
+use crate::autoscale;
 use crate::model::{self, PlanError};
 use crate::nodes;
 use crate::render;
@@ -39,7 +41,7 @@ pub const RESYNC: Duration = Duration::from_secs(300);
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A Kubernetes API call failed.
-    #[error("{action}: {source}")]
+    #[error("{action}: {}", concise(source))]
     Kube {
         /// What the operator was doing.
         action: String,
@@ -47,6 +49,37 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// An error already recorded in the fleet's status and events.
+    #[error("{0}")]
+    Recorded(Box<Error>),
+}
+
+/// Longest message put in a condition or an event note (the Events API
+/// refuses notes over 1 kB).
+pub const MAX_MESSAGE_BYTES: usize = 900;
+
+/// An API error in one readable line: the API server's own message for an
+/// API error (kube's Display adds a debug dump), else the error's text; at
+/// most [`MAX_MESSAGE_BYTES`].
+pub fn concise(e: &kube::Error) -> String {
+    let text = match e {
+        kube::Error::Api(status) => format!("{} ({})", status.message, status.code),
+        other => other.to_string(),
+    };
+    truncate(text)
+}
+
+/// Cuts `text` to at most [`MAX_MESSAGE_BYTES`] on a character boundary.
+pub fn truncate(mut text: String) -> String {
+    if text.len() > MAX_MESSAGE_BYTES {
+        let mut end = MAX_MESSAGE_BYTES - 3;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str("...");
+    }
+    text
 }
 
 fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
@@ -64,6 +97,14 @@ pub struct Context {
     failures: Mutex<HashMap<ObjectRef<ConnectionFleet>, u32>>,
     /// The operator's own metrics.
     pub metrics: Arc<crate::telemetry::Metrics>,
+    /// Prometheus, when `--prometheus-url` is set.
+    pub prometheus: Option<autoscale::metrics::Reader>,
+    /// HTTP client for shard admin calls (shed orders).
+    pub http: reqwest::Client,
+    /// Per-fleet memory of the metrics loop.
+    loops: Mutex<HashMap<ObjectRef<ConnectionFleet>, autoscale::sync::Memory>>,
+    /// Clock of the metrics loop.
+    started: std::time::Instant,
 }
 
 impl Context {
@@ -72,6 +113,7 @@ impl Context {
         client: Client,
         instance: Option<String>,
         metrics: Arc<crate::telemetry::Metrics>,
+        prometheus: Option<autoscale::metrics::Reader>,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
@@ -82,6 +124,10 @@ impl Context {
             client,
             failures: Mutex::default(),
             metrics,
+            prometheus,
+            http: reqwest::Client::new(),
+            loops: Mutex::default(),
+            started: std::time::Instant::now(),
         }
     }
 }
@@ -100,6 +146,55 @@ where
     api.patch(&name, &pp, &Patch::Apply(obj))
         .await
         .map_err(kube_err(format!("apply {} {name}", K::kind(&()))))
+}
+
+/// The first object the fleet would own (Deployment, Service,
+/// PodDisruptionBudget, admin Secret) that exists but is controlled by
+/// something else: a message naming it. The operator never adopts or
+/// rewrites such an object.
+async fn foreign_object(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    uid: &str,
+) -> Result<Option<String>, Error> {
+    async fn check<K>(api: Api<K>, name: &str, uid: &str) -> Result<Option<String>, Error>
+    where
+        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        let kind = K::kind(&());
+        let obj = api
+            .get_opt(name)
+            .await
+            .map_err(kube_err(format!("get {kind} {name}")))?;
+        let ours = |o: &K| {
+            o.meta()
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|r| r.controller == Some(true) && r.uid == uid)
+        };
+        Ok(obj.filter(|o| !ours(o)).map(|_| {
+            format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
+        }))
+    }
+    let found = [
+        check(Api::<Deployment>::namespaced(client.clone(), ns), name, uid).await?,
+        check(Api::<Service>::namespaced(client.clone(), ns), name, uid).await?,
+        check(
+            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+            name,
+            uid,
+        )
+        .await?,
+        check(
+            Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns),
+            &autoscale::actions::secret_name(name),
+            uid,
+        )
+        .await?,
+    ];
+    Ok(found.into_iter().flatten().next())
 }
 
 /// Node profile for the fleet: nodes matching its nodeSelector, then spec overrides.
@@ -143,7 +238,7 @@ async fn publish(
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(truncate(note)),
         action: action.into(),
         secondary: None,
     };
@@ -211,12 +306,41 @@ async fn report_failure(
     }
 }
 
-/// One reconcile of one fleet.
+/// One reconcile of one fleet. A failure not yet recorded becomes a
+/// `Degraded=True ReconcileFailed` condition and a Warning event, so that a
+/// missing RBAC verb or an API outage is visible on the fleet, not only in logs.
 pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let res = reconcile_fleet(fleet.clone(), ctx.clone()).await;
+    if let Err(e @ Error::Kube { .. }) = &res {
+        let outcome = Outcome::Failed {
+            plan: None,
+            reason: "ReconcileFailed",
+            message: e.to_string(),
+        };
+        let api = Api::namespaced(ctx.client.clone(), &fleet.namespace().unwrap_or_default());
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        report_failure(&ctx, &fleet, &api, &outcome, &now).await;
+    }
+    res
+}
+
+async fn reconcile_fleet(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = fleet.namespace().unwrap_or_default();
     let name = fleet.name_any();
-    let generation = fleet.metadata.generation.unwrap_or(0);
     let fleets: Api<ConnectionFleet> = Api::namespaced(ctx.client.clone(), &ns);
+    // The cached fleet may predate our last status write (a reconcile
+    // triggered by an owned object can run before that write's watch event
+    // arrives): decide from the stored status, so a stale cache never flips
+    // a condition's transition time or repeats an event.
+    let fleet = match fleets
+        .get_opt(&name)
+        .await
+        .map_err(kube_err(format!("get ConnectionFleet {name}")))?
+    {
+        Some(latest) => Arc::new(latest),
+        None => return Ok(Action::await_change()),
+    };
+    let generation = fleet.metadata.generation.unwrap_or(0);
     let prev = fleet.status.as_ref();
     let now = Time(k8s_openapi::jiff::Timestamp::now());
 
@@ -229,7 +353,7 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
                 message: e.to_string(),
             };
             report_failure(&ctx, &fleet, &fleets, &outcome, &now).await;
-            return Err(e);
+            return Err(Error::Recorded(Box::new(e)));
         }
     };
     let planned = match node {
@@ -272,13 +396,71 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     let owner = fleet
         .controller_owner_ref(&())
         .expect("a fleet from the API server has a uid");
-    let objects = render::render(&fleet, &plan, owner);
+    if let Some(conflict) = foreign_object(&ctx.client, &ns, &name, owner.uid.as_str()).await? {
+        let outcome = Outcome::Rejected {
+            reason: "ObjectConflict",
+            message: conflict.clone(),
+        };
+        let next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
+        if prev.and_then(|p| status::condition(p, status::DEGRADED))
+            != status::condition(&next, status::DEGRADED)
+        {
+            warn!(fleet = %name, namespace = %ns, %conflict, "fleet rejected");
+            publish(
+                &ctx,
+                &fleet,
+                EventType::Warning,
+                "ObjectConflict",
+                "Apply",
+                conflict,
+            )
+            .await;
+        }
+        if Some(&next) != prev {
+            write_status(&fleets, &name, &next).await?;
+        }
+        return Ok(Action::requeue(RESYNC));
+    }
+    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns);
+    let current = deployments
+        .get_opt(&name)
+        .await
+        .map_err(kube_err(format!("get Deployment {name}")))?
+        .and_then(|d| d.spec.and_then(|s| s.replicas))
+        .unwrap_or(plan.shards);
+    let token = autoscale::actions::ensure_admin_secret(
+        &Api::namespaced(ctx.client.clone(), &ns),
+        &name,
+        owner.clone(),
+    )
+    .await
+    .map_err(kube_err(format!(
+        "ensure Secret {}",
+        autoscale::actions::secret_name(&name)
+    )))?;
+    let key = ObjectRef::from_obj(fleet.as_ref());
+    let mut memory = ctx.loops.lock().unwrap().remove(&key).unwrap_or_default();
+    let looped = autoscale::sync::sync(
+        autoscale::sync::Inputs {
+            fleet: &fleet,
+            plan: &plan,
+            current,
+            reader: ctx.prometheus.as_ref(),
+            pods: &Api::namespaced(ctx.client.clone(), &ns),
+            token: &token,
+            http: &ctx.http,
+            now: ctx.started.elapsed().as_secs_f64(),
+            wall: &now,
+        },
+        &mut memory,
+    )
+    .await;
+    ctx.loops.lock().unwrap().insert(key, memory);
+    let looped = looped.map_err(kube_err("metrics loop"))?;
+
+    let objects = render::render(&fleet, &plan, owner, looped.replicas);
     let applied = async {
-        let dep = apply(
-            &Api::<Deployment>::namespaced(ctx.client.clone(), &ns),
-            &objects.deployment,
-        )
-        .await?;
+        let dep = apply(&deployments, &objects.deployment).await?;
         apply(
             &Api::<Service>::namespaced(ctx.client.clone(), &ns),
             &objects.service,
@@ -299,7 +481,7 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
             Outcome::Applied {
                 plan: plan.clone(),
                 shards: Shards {
-                    desired: plan.shards,
+                    desired: looped.replicas,
                     ready: st.ready_replicas.unwrap_or(0),
                     updated: st.updated_replicas.unwrap_or(0),
                     total: st.replicas.unwrap_or(0),
@@ -313,7 +495,38 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
             message: e.to_string(),
         },
     };
-    let next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
+    let mut next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
+    status::apply_loop(&mut next, &looped, generation, &now);
+    let metrics_before = prev
+        .and_then(|p| status::condition(p, status::METRICS_AVAILABLE))
+        .map(|c| c.status.clone());
+    if let Some(c) = status::condition(&next, status::METRICS_AVAILABLE)
+        && metrics_before.as_ref() != Some(&c.status)
+    {
+        let type_ = if c.status == "True" {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        publish(
+            &ctx,
+            &fleet,
+            type_,
+            &c.reason.clone(),
+            "ReadMetrics",
+            c.message.clone(),
+        )
+        .await;
+    }
+    for (warning, reason, note) in &looped.events {
+        let type_ = if *warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        info!(fleet = %name, namespace = %ns, reason, note = %note, "metrics loop");
+        publish(&ctx, &fleet, type_, reason, "Autoscale", note.clone()).await;
+    }
 
     if prev.and_then(|p| p.plan.as_ref()) != Some(&plan) {
         let note = format!(
@@ -350,15 +563,16 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     } else if Some(&next) != prev {
         write_status(&fleets, &name, &next).await?;
     }
-    applied?;
+    applied.map_err(|e| Error::Recorded(Box::new(e)))?;
     let ready = matches!(outcome, Outcome::Applied { shards, .. } if shards.rolled_out());
     // Deployment status changes arrive through the owned-object watch; the
     // short requeue only covers a rollout the watch might not report.
-    Ok(Action::requeue(if ready {
+    let wait = if ready {
         RESYNC
     } else {
         Duration::from_secs(15)
-    }))
+    };
+    Ok(Action::requeue(looped.resync.map_or(wait, |r| r.min(wait))))
 }
 
 /// Requeue after an error with per-fleet exponential backoff.
@@ -387,6 +601,8 @@ pub struct RunConfig {
     pub manage_crd: bool,
     /// Address of `/metrics` and `/healthz` (`None`: not served).
     pub metrics_addr: Option<String>,
+    /// Prometheus the metrics loop reads (`None`: autoscaling and rebalancing hold).
+    pub prometheus_url: Option<String>,
 }
 
 /// Server-side applies the ConnectionFleet CRD (field manager
@@ -416,6 +632,23 @@ pub async fn apply_crd(client: &Client) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     anyhow::bail!("CRD {name} not Established after 60 s")
+}
+
+/// Hash of what a node contributes to plans: its labels and allocatable.
+fn node_profile_hash(node: &Node) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    node.metadata.labels.hash(&mut h);
+    node.status
+        .as_ref()
+        .and_then(|s| s.allocatable.as_ref())
+        .map(|a| {
+            a.iter()
+                .map(|(k, v)| (k.clone(), v.0.clone()))
+                .collect::<Vec<_>>()
+        })
+        .hash(&mut h);
+    Some(h.finish())
 }
 
 /// Runs the controller until SIGTERM/SIGINT.
@@ -458,16 +691,38 @@ pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
             )
         })?;
 
-    let ctx = Arc::new(Context::new(client, instance, metrics));
+    let prometheus = config
+        .prometheus_url
+        .as_deref()
+        .map(autoscale::metrics::Reader::new)
+        .transpose()?;
+    let ctx = Arc::new(Context::new(client, instance, metrics, prometheus));
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=c10m-operator");
     info!(
         namespace = namespace.as_deref().unwrap_or("<all>"),
         "c10m-operator controller starting"
     );
-    Controller::new(fleets, watcher::Config::default())
+    let controller = Controller::new(fleets, watcher::Config::default())
         .owns(deps, owned.clone())
         .owns(svcs, owned.clone())
-        .owns(pdbs, owned)
+        .owns(pdbs, owned);
+    // Node profiles come from nodes' labels and allocatable: re-plan every
+    // fleet when those change (not on the frequent node status heartbeats).
+    let store = controller.store();
+    let node_profiles = watcher(
+        Api::<Node>::all(ctx.client.clone()),
+        watcher::Config::default(),
+    )
+    .applied_objects()
+    .predicate_filter(node_profile_hash, PredicateConfig::default());
+    controller
+        .watches_stream(node_profiles, move |_node| {
+            store
+                .state()
+                .iter()
+                .map(|f| ObjectRef::from_obj(f.as_ref()))
+                .collect::<Vec<_>>()
+        })
         .shutdown_on_signal()
         .run(
             |fleet, ctx: Arc<Context>| async move {

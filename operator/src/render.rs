@@ -8,9 +8,10 @@ use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource,
-    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecurityContext,
-    Service, ServicePort, ServiceSpec, Sysctl, TopologySpreadConstraint, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
+    HostPathVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ResourceRequirements, SecretKeySelector, SecurityContext, Service, ServicePort, ServiceSpec,
+    Sysctl, TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -38,6 +39,15 @@ pub const HOST_PROC_MOUNT: &str = "/host/proc";
 /// goroutine model: 90 %, leaving room for non-heap memory (Go's GC guide
 /// recommends a limit with headroom below the container limit).
 pub const GOMEMLIMIT_PERCENT: i64 = 90;
+
+/// Seconds added to the drain time for the grace period: process start-up
+/// of the drain, the last closes, and exit.
+pub const DRAIN_SLACK_SECONDS: i64 = 20;
+
+/// Seconds a shard holding `connections` needs to close them at `rate` per second.
+pub fn drain_seconds(connections: i64, rate: i64) -> i64 {
+    (connections + rate.max(1) - 1) / rate.max(1)
+}
 
 /// The objects a fleet owns.
 #[derive(Clone, Debug)]
@@ -77,7 +87,12 @@ fn env(name: &str, value: impl ToString) -> EnvVar {
 
 /// Renders the fleet's objects for `plan`. `owner` is the fleet's controller
 /// owner reference (so deleting the fleet deletes them).
-pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Rendered {
+pub fn render(
+    fleet: &ConnectionFleet,
+    plan: &Plan,
+    owner: OwnerReference,
+    replicas: i32,
+) -> Rendered {
     let name = fleet.metadata.name.clone().unwrap_or_default();
     let meta = ObjectMeta {
         name: Some(name.clone()),
@@ -104,6 +119,25 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
                 .unwrap_or("echo"),
         ),
     ];
+    // Drain: close at the fleet's rate on SIGTERM, finishing before the grace period ends.
+    let grace = drain_seconds(plan.shard_connection_limit, spec.drain.rate) + DRAIN_SLACK_SECONDS;
+    env_vars.push(env("C10M_DRAIN_RATE", spec.drain.rate));
+    env_vars.push(env(
+        "C10M_DRAIN_TIMEOUT_SECS",
+        grace - DRAIN_SLACK_SECONDS / 2,
+    ));
+    env_vars.push(EnvVar {
+        name: "C10M_ADMIN_TOKEN".into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: crate::autoscale::actions::secret_name(&name),
+                key: crate::autoscale::actions::TOKEN_KEY.into(),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
     if spec.backend.model == BackendModel::Goroutine {
         env_vars.push(env("GOMAXPROCS", plan.cpus));
         env_vars.push(env(
@@ -226,7 +260,7 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
             }),
             ..Default::default()
         }]),
-        termination_grace_period_seconds: Some(30),
+        termination_grace_period_seconds: Some(grace),
         ..Default::default()
     };
 
@@ -241,7 +275,7 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
     let deployment = Deployment {
         metadata: meta.clone(),
         spec: Some(DeploymentSpec {
-            replicas: Some(plan.shards),
+            replicas: Some(replicas),
             selector: LabelSelector {
                 match_labels: Some(selector(&name)),
                 ..Default::default()
@@ -273,22 +307,13 @@ pub fn render(fleet: &ConnectionFleet, plan: &Plan, owner: OwnerReference) -> Re
         spec: Some(ServiceSpec {
             type_: Some(server.service_type.as_str().into()),
             selector: Some(selector(&name)),
-            ports: Some(vec![
-                ServicePort {
-                    name: Some("conn".into()),
-                    port: server.port,
-                    target_port: Some(IntOrString::String("conn".into())),
-                    protocol: Some("TCP".into()),
-                    ..Default::default()
-                },
-                ServicePort {
-                    name: Some("metrics".into()),
-                    port: server.metrics_port,
-                    target_port: Some(IntOrString::String("metrics".into())),
-                    protocol: Some("TCP".into()),
-                    ..Default::default()
-                },
-            ]),
+            ports: Some(vec![ServicePort {
+                name: Some("conn".into()),
+                port: server.port,
+                target_port: Some(IntOrString::String("conn".into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
             ..Default::default()
         }),
         ..Default::default()

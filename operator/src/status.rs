@@ -14,6 +14,8 @@ pub const READY: &str = "Ready";
 pub const PROGRESSING: &str = "Progressing";
 /// Condition type: the fleet cannot be what its spec asks.
 pub const DEGRADED: &str = "Degraded";
+/// Condition type: the metrics loop can read trustworthy live metrics.
+pub const METRICS_AVAILABLE: &str = "MetricsAvailable";
 /// Condition type: the plan's sysctls are all applied.
 pub const SYSCTLS_APPLIED: &str = "SysctlsApplied";
 
@@ -191,6 +193,33 @@ pub fn next_status(
         status.updated_shards = shards.updated;
     }
     status
+}
+
+/// Folds one sync of the metrics loop into `status`: live connections, the
+/// autoscaler's and rebalancer's state, and the MetricsAvailable condition.
+pub fn apply_loop(
+    status: &mut ConnectionFleetStatus,
+    looped: &crate::autoscale::sync::Outcome,
+    generation: i64,
+    now: &Time,
+) {
+    if let Some(live) = looped.live {
+        status.live_connections = live;
+    }
+    status.autoscaling = looped.autoscaling.clone();
+    status.rebalance = looped.rebalance.clone();
+    match &looped.metrics_condition {
+        Some((ok, reason, message)) => set_condition(
+            &mut status.conditions,
+            METRICS_AVAILABLE,
+            *ok,
+            reason,
+            message.clone(),
+            generation,
+            now,
+        ),
+        None => status.conditions.retain(|c| c.type_ != METRICS_AVAILABLE),
+    }
 }
 
 /// Sets condition `type_` in `conditions`, keeping its lastTransitionTime

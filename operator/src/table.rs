@@ -34,6 +34,14 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
         plan.connections_per_shard.to_string(),
     );
     row(
+        "maxConnectionsPerShard",
+        plan.max_connections_per_shard.to_string(),
+    );
+    row(
+        "sizedConnectionsPerShard",
+        plan.sized_connections_per_shard.to_string(),
+    );
+    row(
         "shardConnectionLimit",
         plan.shard_connection_limit.to_string(),
     );

@@ -25,7 +25,7 @@ spec:
   node:
     pricePerHour: "2.59"
   shard:
-    cpus: 8
+    cpus: 2
     minShards: 3
   placement:
     nodeSelector:
@@ -110,12 +110,12 @@ fn fleet_is_planned_deployed_replanned_and_deleted() {
     let server = &pod["containers"][0];
     let res = &server["resources"];
     assert_eq!(res["requests"], res["limits"], "Guaranteed QoS");
-    assert_eq!(res["limits"]["cpu"], "8");
+    assert_eq!(res["limits"]["cpu"], "2");
     assert_eq!(
         res["limits"]["memory"].as_str().unwrap(),
         plan["memoryLimitBytes"].as_i64().unwrap().to_string()
     );
-    assert_eq!(env_of(server, "C10M_WORKERS").as_deref(), Some("8"));
+    assert_eq!(env_of(server, "C10M_WORKERS").as_deref(), Some("2"));
     assert_eq!(
         env_of(server, "C10M_MAX_CONNECTIONS"),
         Some(plan["shardConnectionLimit"].to_string())
@@ -168,9 +168,11 @@ fn fleet_is_planned_deployed_replanned_and_deleted() {
     let (ok, out) = apply(ns, &fleet_manifest("push-edge", 1_000_000, ""));
     assert!(ok && out.contains("unchanged"), "{out}");
     std::thread::sleep(Duration::from_secs(2));
+    let again = get_json(ns, "connectionfleet", "push-edge").unwrap();
     assert_eq!(
-        get_json(ns, "connectionfleet", "push-edge").unwrap()["metadata"]["resourceVersion"],
-        rv
+        again["metadata"]["resourceVersion"], rv,
+        "status before {}\nafter {}",
+        fleet["status"], again["status"]
     );
     assert_eq!(
         get_json(ns, "deployment", "push-edge").unwrap()["metadata"]["resourceVersion"],
@@ -235,7 +237,7 @@ spec:
   backend:
     model: goroutine
   shard:
-    cpus: 4
+    cpus: 2
   sysctls:
     mode: PodSecurityContext
   server:
@@ -266,7 +268,7 @@ spec:
         pod["securityContext"]
     );
     let server = &pod["containers"][0];
-    assert_eq!(env_of(server, "GOMAXPROCS").as_deref(), Some("4"));
+    assert_eq!(env_of(server, "GOMAXPROCS").as_deref(), Some("2"));
     let limit = plan["memoryLimitBytes"].as_i64().unwrap();
     assert_eq!(
         env_of(server, "GOMEMLIMIT"),
@@ -293,7 +295,7 @@ fn operator_reports_what_the_schema_cannot_and_recovers() {
     // 128 CPUs per shard passes the schema (<= 1024) but no 64-CPU node holds it.
     let (ok, out) = apply(
         ns,
-        &fleet_manifest("too-big", 1000, "").replace("cpus: 8", "cpus: 128"),
+        &fleet_manifest("too-big", 1000, "").replace("cpus: 2", "cpus: 128"),
     );
     assert!(ok, "{out}");
     let fleet = wait_for("Degraded PlanInfeasible", MINUTE, || {
@@ -428,9 +430,18 @@ fn invalid_manifests_are_refused_naming_the_field() {
             "spec.node.memory",
         ),
         ("missing spec", "", "spec"),
+        (
+            "name not a DNS-1035 label",
+            "spec:\n  connections: 10\n",
+            "metadata.name",
+        ),
     ];
     for (what, spec, field) in cases {
-        let (ok, out) = apply(ns, &base(spec));
+        let mut manifest = base(spec);
+        if what.starts_with("name") {
+            manifest = manifest.replace("name: bad", "name: 1digit");
+        }
+        let (ok, out) = apply(ns, &manifest);
         assert!(!ok, "{what}: accepted\n{out}");
         assert!(
             out.contains(field),
@@ -442,4 +453,53 @@ fn invalid_manifests_are_refused_naming_the_field() {
     // `kubectl explain` is useful: fields carry descriptions.
     let explain = kubectl(&["explain", "connectionfleet.spec.shard.headroomPercent"]);
     assert!(explain.contains("kept free"), "{explain}");
+}
+
+#[test]
+fn objects_the_fleet_does_not_own_are_never_taken_over() {
+    ensure_crd();
+    let ns = Namespace::create("conflict");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    kubectl(&[
+        "create",
+        "service",
+        "clusterip",
+        "api",
+        "--tcp=443:8443",
+        "-n",
+        ns,
+    ]);
+    let before = get_json(ns, "service", "api").unwrap();
+    let (ok, out) = apply(ns, &fleet_manifest("api", 1000, ""));
+    assert!(ok, "{out}");
+    let fleet = wait_for("Degraded ObjectConflict", MINUTE, || {
+        let f = get_json(ns, "connectionfleet", "api")?;
+        (condition(&f, "Degraded")?["reason"] == "ObjectConflict").then_some(f)
+    });
+    let msg = condition(&fleet, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("Service api already exists"), "{msg}");
+    let after = get_json(ns, "service", "api").unwrap();
+    assert_eq!(
+        after["spec"], before["spec"],
+        "the user's Service is untouched"
+    );
+    assert!(after["metadata"]["ownerReferences"].is_null());
+    assert!(
+        get_json(ns, "deployment", "api").is_none(),
+        "nothing applied while in conflict"
+    );
+    wait_for("ObjectConflict Warning event", MINUTE, || {
+        events_for(ns, "api")
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "ObjectConflict")
+            .then_some(())
+    });
+    // Deleting the fleet leaves the user's Service alone.
+    kubectl(&["delete", "connectionfleet", "api", "-n", ns, "--wait=true"]);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(get_json(ns, "service", "api").is_some());
 }

@@ -89,7 +89,7 @@ impl Drop for Release {
 
 fn fleet(name: &str, connections: i64) -> String {
     format!(
-        "apiVersion: c10m.dev/v1alpha1\nkind: ConnectionFleet\nmetadata:\n  name: {name}\nspec:\n  connections: {connections}\n  shard:\n    minShards: 2\n"
+        "apiVersion: c10m.dev/v1alpha1\nkind: ConnectionFleet\nmetadata:\n  name: {name}\nspec:\n  connections: {connections}\n  shard:\n    cpus: 2\n    minShards: 2\n"
     )
 }
 
@@ -159,7 +159,7 @@ fn helm_lifecycle_with_least_privilege_rbac() {
         .position(|r| r["resources"][0] == "deployments")
         .unwrap();
     let patch = format!(
-        r#"[{{"op":"replace","path":"/rules/{idx}/verbs","value":["list","watch","create"]}}]"#
+        r#"[{{"op":"replace","path":"/rules/{idx}/verbs","value":["get","list","watch","create"]}}]"#
     );
     kubectl(&["patch", "clusterrole", role, "--type=json", "-p", &patch]);
     let (ok, out) = apply(fns, &fleet("edge", 20_000_000));
@@ -344,16 +344,24 @@ fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
         "flux-kustomize",
         &fleet("git", 9_000_000).replace("minShards: 2", "minShards: 4"),
     );
+    let shards_before = f["status"]["plan"]["shards"].as_i64().unwrap();
     let f = wait_for("plan follows the new spec", Duration::from_secs(15), || {
         let f = get_json(fns, "connectionfleet", "git")?;
         (f["status"]["observedGeneration"] == f["metadata"]["generation"]
-            && f["status"]["desiredShards"] == 4)
+            && f["status"]["plan"]["shards"] != shards_before)
             .then_some(f)
     });
     assert_eq!(f["spec"]["connections"], 9_000_000);
+    let shards = f["status"]["plan"]["shards"].as_i64().unwrap();
+    assert!(
+        shards >= 4 && shards > shards_before,
+        "{}",
+        f["status"]["plan"]
+    );
+    assert_eq!(f["status"]["desiredShards"].as_i64(), Some(shards));
     let dep = wait_for("deployment scaled", MINUTE, || {
         let d = get_json(fns, "deployment", "git")?;
-        (d["spec"]["replicas"] == 4).then_some(d)
+        (d["spec"]["replicas"].as_i64() == Some(shards)).then_some(d)
     });
     assert_eq!(
         dep["metadata"]["annotations"]["example.com/owner"],
