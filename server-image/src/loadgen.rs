@@ -72,6 +72,11 @@ pub struct Args {
     /// Server address (repeat to spread connections round-robin).
     #[arg(long, default_value = "127.0.0.1:7000")]
     pub target: Vec<SocketAddrV4>,
+    /// File of `ip:port` lines, re-read when it changes; every new or
+    /// re-opened connection picks one of them at random, as an L4 load
+    /// balancer would (so reconnects reach shards added later). Overrides --target.
+    #[arg(long)]
+    pub targets_file: Option<std::path::PathBuf>,
     /// Connections to open and hold.
     #[arg(short = 'n', long, default_value_t = 1000)]
     pub connections: u64,
@@ -326,8 +331,72 @@ struct Client {
 }
 
 /// One process's event loop.
+/// Where connections go: `--target` round-robin, or `--targets-file` at random.
+struct Targets {
+    list: Vec<SocketAddrV4>,
+    file: Option<std::path::PathBuf>,
+    modified: Option<std::time::SystemTime>,
+    checked: Instant,
+}
+
+/// Parses `ip:port` lines (blank lines and `#` comments skipped).
+pub fn parse_targets(text: &str) -> anyhow::Result<Vec<SocketAddrV4>> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| l.parse().map_err(|e| anyhow::anyhow!("target {l:?}: {e}")))
+        .collect()
+}
+
+impl Targets {
+    /// How often a changed targets file is noticed.
+    const RECHECK: Duration = Duration::from_millis(500);
+
+    fn new(args: &Args) -> anyhow::Result<Targets> {
+        let mut t = Targets {
+            list: args.target.clone(),
+            file: args.targets_file.clone(),
+            modified: None,
+            checked: Instant::now(),
+        };
+        if t.file.is_some() {
+            t.reload()?;
+            anyhow::ensure!(!t.list.is_empty(), "--targets-file lists no target");
+        }
+        Ok(t)
+    }
+
+    fn reload(&mut self) -> anyhow::Result<()> {
+        let Some(path) = &self.file else {
+            return Ok(());
+        };
+        let modified = std::fs::metadata(path)?.modified().ok();
+        if modified != self.modified || modified.is_none() {
+            let list = parse_targets(&std::fs::read_to_string(path)?)?;
+            // A file caught mid-write may be empty: keep the last good list.
+            if !list.is_empty() {
+                self.list = list;
+                self.modified = modified;
+            }
+        }
+        Ok(())
+    }
+
+    fn pick(&mut self, i: usize, rng: &mut fastrand::Rng) -> SocketAddrV4 {
+        if self.file.is_none() {
+            return self.list[i % self.list.len()];
+        }
+        if self.checked.elapsed() >= Self::RECHECK {
+            self.checked = Instant::now();
+            let _ = self.reload();
+        }
+        self.list[rng.usize(..self.list.len())]
+    }
+}
+
 struct Gen {
     args: Args,
+    targets: Targets,
     child: u8,
     n: u64,
     poll: Poll,
@@ -389,7 +458,9 @@ impl Gen {
             .collect();
         let mut rng = fastrand::Rng::with_seed(0xc10 + u64::from(child));
         let key: [u8; 16] = std::array::from_fn(|_| rng.u8(..));
+        let targets = Targets::new(&args).map_err(io::Error::other)?;
         Ok(Gen {
+            targets,
             child,
             n,
             poll: Poll::new()?,
@@ -446,8 +517,7 @@ impl Gen {
     }
 
     fn connect(&mut self, i: usize) {
-        let targets = &self.args.target;
-        let dst = targets[i % targets.len()];
+        let dst = self.targets.pick(i, &mut self.rng);
         let src = source_addr(self.args.source_net, self.child, i as u64);
         let now = Instant::now();
         if i == self.clients.len() {
@@ -491,14 +561,14 @@ impl Gen {
                     Ok(Some(e)) | Err(e) => return self.fail(i, error_kind(&e), true),
                     Ok(None) => {}
                 }
-                match s.peer_addr() {
-                    Ok(_) => {}
+                let peer = match s.peer_addr() {
+                    Ok(SocketAddr::V4(a)) => a,
+                    Ok(SocketAddr::V6(_)) => return self.fail(i, "ipv6", true),
                     Err(e) if e.kind() == ErrorKind::NotConnected => return,
                     Err(e) => return self.fail(i, error_kind(&e), true),
-                }
+                };
                 if self.args.protocol == Mode::Websocket {
-                    let req =
-                        upgrade_request(self.args.target[i % self.args.target.len()], &self.ws_key);
+                    let req = upgrade_request(peer, &self.ws_key);
                     if s.write_all(&req).is_err() {
                         return self.fail(i, "upgrade", true);
                     }
@@ -859,6 +929,9 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
         if args.reconnect {
             cmd.arg("--reconnect");
         }
+        if let Some(f) = &args.targets_file {
+            cmd.arg("--targets-file").arg(f);
+        }
         let mut child = cmd.spawn()?;
         let stdout = child.stdout.take().expect("piped stdout");
         let tx = tx.clone();
@@ -981,6 +1054,26 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn targets_files_parse_and_are_picked_at_random() {
+        let list = super::parse_targets("# shards\n127.1.1.2:7000\n\n 127.1.2.3:7000 \n").unwrap();
+        assert_eq!(list.len(), 2);
+        assert!(super::parse_targets("127.1.1.2").is_err());
+        let path = std::env::temp_dir().join(format!("c10m-targets-{}", std::process::id()));
+        std::fs::write(&path, "127.1.1.2:7000\n127.1.2.3:7000\n").unwrap();
+        let mut args = Args::parse_from(["c10m-loadgen"]);
+        args.targets_file = Some(path.clone());
+        let mut t = super::Targets::new(&args).unwrap();
+        let mut rng = fastrand::Rng::with_seed(7);
+        let picked: std::collections::BTreeSet<_> = (0..64).map(|_| t.pick(0, &mut rng)).collect();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(
+            picked.len(),
+            2,
+            "the same connection index reaches both targets"
+        );
+    }
+
     use super::*;
 
     #[test]
