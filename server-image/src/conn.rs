@@ -330,8 +330,12 @@ impl<S: Read + Write> Conn<S> {
                 Read1::Data(n) => n,
             };
             ctx.traffic.received += n as u64;
-            self.touch(ctx.now);
             let closing = self.consume(n, ctx);
+            // The timestamp of a connection still in its handshake stays at
+            // its accept, so a slowloris trickle cannot extend the timeout.
+            if self.phase() == Phase::Open {
+                self.touch(ctx.now);
+            }
             if let Err(r) = self.send(ctx.out, &mut ctx.traffic) {
                 return Status::Closed(r);
             }
@@ -663,6 +667,21 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         assert!(c.is_idle(), "nothing held once the frame completed");
         assert_eq!(&c.stream.written[response_len()..], b"\x81\x02hi");
         assert!(b.out.is_empty());
+    }
+
+    #[test]
+    fn trickled_handshake_keeps_its_accept_timestamp() {
+        let mut c = fake(
+            &[b"GET / HTTP/1.1\r\n", b"Ho"],
+            usize::MAX,
+            Phase::Handshake,
+        );
+        let mut b = Bufs::new(64);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!((c.phase(), c.since()), (Phase::Handshake, 7));
+        let mut c2 = fake(&[UPGRADE], usize::MAX, Phase::Handshake);
+        assert_eq!(c2.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!((c2.phase(), c2.since()), (Phase::Open, 9));
     }
 
     #[test]
