@@ -143,3 +143,45 @@ fn without_a_token_orders_are_refused() {
     assert_eq!(server.http("GET", "/drain", None).unwrap().0, 405);
     assert_eq!(server.http("GET", "/healthz", None).unwrap().0, 200);
 }
+
+#[test]
+fn loadgen_reconnects_what_a_shed_closes() {
+    let server = ws_server(2, &[]);
+    let lg = std::process::Command::new(env!("CARGO_BIN_EXE_c10m-loadgen"))
+        .args([
+            "--target",
+            &server.addr.to_string(),
+            "-n",
+            "300",
+            "--protocol",
+            "websocket",
+        ])
+        .args(["--ping-rate", "0", "--hold", "3", "--reconnect", "--quiet"])
+        .args([
+            "--backoff-min-ms",
+            "50",
+            "--backoff-max-ms",
+            "200",
+            "--source-net",
+            "150",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    server.wait_metrics("300 live", |m| sum(m, "c10m_connections") == 300.0);
+    assert_eq!(server.post("/shed?count=100&rate=1000", Some(TOKEN)).0, 202);
+    let out = lg.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["goodbyes"]["1001"], 100, "{r}");
+    assert_eq!(r["closedByServer"], 100, "{r}");
+    assert_eq!(r["reconnects"], 100, "{r}");
+    assert_eq!(r["openAtEnd"], 300, "{r}");
+    assert_eq!(r["connectErrors"], 0, "{r}");
+    let m = server.metrics();
+    assert_eq!(
+        value(&m, "c10m_connections_closed_total{reason=\"shed\"}"),
+        100.0
+    );
+    assert_eq!(sum(&m, "c10m_connections_accepted_total"), 400.0);
+}
