@@ -156,7 +156,7 @@ fn loadgen_reconnects_what_a_shed_closes() {
             "--protocol",
             "websocket",
         ])
-        .args(["--ping-rate", "0", "--hold", "3", "--reconnect", "--quiet"])
+        .args(["--ping-rate", "0", "--hold", "4", "--reconnect", "--quiet"])
         .args([
             "--backoff-min-ms",
             "50",
