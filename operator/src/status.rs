@@ -124,7 +124,7 @@ pub fn next_status(
                     "ShardsReady",
                     format!(
                         "{counts}; the fleet holds up to {} connections",
-                        plan.capacity
+                        shards.desired as i64 * plan.sized_connections_per_shard
                     ),
                 );
                 set(PROGRESSING, false, "RolloutComplete", counts);
@@ -189,6 +189,8 @@ pub fn next_status(
         status.plan = Some(plan.clone());
     }
     if let Outcome::Applied { shards, .. } = outcome {
+        // The autoscaler may run more shards than the plan's floor.
+        status.desired_shards = shards.desired;
         status.ready_shards = shards.ready;
         status.updated_shards = shards.updated;
     }

@@ -1,0 +1,522 @@
+//! The live metrics loop end to end: real Prometheus scraping real
+//! `c10m-server` processes bound to the fleet's pod IPs (pod runner), real
+//! `c10m-loadgen` clients with reconnect-on-close, and the operator reading
+//! Prometheus to autoscale and rebalance.
+//!
+//! Shards are made small with `backend.connectionsPerCpu: 500` on 1-CPU
+//! shards: each shard's cap is 500 connections (400 declared at 20 %
+//! headroom), so a few thousand loopback connections cross every threshold.
+//! The scenarios run one at a time (one Prometheus; scenario (c) stops it).
+//! Figures are printed as `FIGURE name=value` lines.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use c10m_e2e::*;
+use serde_json::Value;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// Per-shard cap of these fleets: 500 connections/CPU × 1 CPU.
+const SHARD_CAP: i64 = 500;
+
+fn fleet(name: &str, connections: i64, extra: &str) -> String {
+    format!(
+        r#"apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: {name}
+spec:
+  connections: {connections}
+  backend:
+    connectionsPerCpu: {SHARD_CAP}
+    protocol: websocket
+  shard:
+    cpus: 1
+    maxShards: 8
+  drain:
+    rate: 200
+{extra}"#
+    )
+}
+
+/// Everything one scenario needs: namespace, operator with Prometheus,
+/// the pod runner, and a targets file kept equal to the fleet's Ready pod
+/// IPs (what a load balancer's endpoint list would be).
+struct Scenario {
+    ns: Namespace,
+    prom: String,
+    _op: Operator,
+    targets: PathBuf,
+    stop: Arc<AtomicBool>,
+    _guard: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Scenario {
+    fn start(prefix: &str, fleet_name: &str) -> Scenario {
+        let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        ensure_crd();
+        let prom = Prometheus::ensure();
+        PodRunner::ensure();
+        let ns = Namespace::create(prefix);
+        let op = Operator::spawn(
+            &[
+                "run",
+                "--namespace",
+                &ns.0,
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--prometheus-url",
+                &prom,
+            ],
+            &kubeconfig(),
+            &ns.0,
+        );
+        let targets = workspace().join(format!("target/e2e-logs/{}-targets", ns.0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ns_name, fleet_name, path, flag) = (
+            ns.0.clone(),
+            fleet_name.to_string(),
+            targets.clone(),
+            stop.clone(),
+        );
+        std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                let ips: Vec<String> = pods(&ns_name, &fleet_name)
+                    .into_iter()
+                    .filter(|p| p.ready)
+                    .map(|p| format!("{}:7000", p.ip))
+                    .collect();
+                if !ips.is_empty() {
+                    let tmp = path.with_extension("tmp");
+                    std::fs::write(&tmp, ips.join("\n") + "\n").unwrap();
+                    std::fs::rename(&tmp, &path).unwrap();
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        Scenario {
+            ns,
+            prom,
+            _op: op,
+            targets,
+            stop,
+            _guard: guard,
+        }
+    }
+
+    fn ns(&self) -> &str {
+        &self.ns.0
+    }
+
+    /// Live connections per pod of the namespace, from Prometheus.
+    fn loads(&self) -> BTreeMap<String, i64> {
+        try_prom_query(
+            &self.prom,
+            &format!(
+                r#"sum by (pod) (c10m_connections{{namespace="{}"}})"#,
+                self.ns()
+            ),
+        )
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(l, v)| (l["pod"].clone(), v as i64))
+        .collect()
+    }
+
+    fn fleet(&self, name: &str) -> Value {
+        get_json(self.ns(), "connectionfleet", name).expect("fleet exists")
+    }
+
+    /// Waits until the targets file lists `n` shards.
+    fn wait_targets(&self, n: usize) {
+        wait_for(&format!("{n} ready shard targets"), MINUTE, || {
+            let text = std::fs::read_to_string(&self.targets).ok()?;
+            (text.lines().count() == n).then_some(())
+        });
+    }
+}
+
+impl Drop for Scenario {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug)]
+struct ShardPod {
+    name: String,
+    ip: String,
+    ready: bool,
+}
+
+fn pods(ns: &str, fleet: &str) -> Vec<ShardPod> {
+    let out = kubectl_with(
+        &[
+            "get",
+            "pods",
+            "-n",
+            ns,
+            "-l",
+            &format!("c10m.dev/fleet={fleet}"),
+            "-o",
+            "json",
+        ],
+        None,
+    );
+    let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) else {
+        return vec![];
+    };
+    v["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|p| {
+                    let ready = p["metadata"]["deletionTimestamp"].is_null()
+                        && p["status"]["conditions"]
+                            .as_array()?
+                            .iter()
+                            .any(|c| c["type"] == "Ready" && c["status"] == "True");
+                    Some(ShardPod {
+                        name: p["metadata"]["name"].as_str()?.to_string(),
+                        ip: p["status"]["podIP"].as_str()?.to_string(),
+                        ready,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A running `c10m-loadgen` (WebSocket, reconnect-on-close, random target
+/// from the scenario's targets file); SIGTERM ends it and yields its report.
+struct Load(Option<Child>);
+
+impl Load {
+    fn start(s: &Scenario, connections: u64, rate: u64, source_net: u8) -> Load {
+        let bin = workspace().join("target/debug/c10m-loadgen");
+        assert!(
+            bin.exists(),
+            "{} missing: cargo build -p c10m-server",
+            bin.display()
+        );
+        let child = Command::new(bin)
+            .arg(format!("--targets-file={}", s.targets.display()))
+            .args([
+                "--protocol=websocket",
+                "--reconnect",
+                "--backoff-min-ms=200",
+                "--backoff-max-ms=2000",
+            ])
+            .args(["--ping-rate=0", "--hold=0", "--quiet"])
+            .arg(format!("--connections={connections}"))
+            .arg(format!("--rate={rate}"))
+            .arg(format!("--source-net={source_net}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start c10m-loadgen");
+        Load(Some(child))
+    }
+
+    /// Stops the clients and returns their report.
+    fn finish(mut self) -> Value {
+        let child = self.0.take().unwrap();
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("loadgen report: {e}: {text}"))
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn autoscaling(extra: &str) -> String {
+    format!(
+        "  autoscaling:\n    enabled: true\n    syncPeriodSeconds: 2\n    scaleDown:\n      stabilizationWindowSeconds: 4\n      shardsPerPeriod: 8\n      percentPerPeriod: 100\n      periodSeconds: 2\n{extra}"
+    )
+}
+
+fn desired(f: &Value) -> i64 {
+    f["status"]["desiredShards"].as_i64().unwrap_or(0)
+}
+
+#[test]
+fn a_ramp_past_capacity_adds_shards_and_says_why() {
+    let s = Scenario::start("ml-ramp", "ramp");
+    let (ok, out) = apply(s.ns(), &fleet("ramp", 800, &autoscaling("")));
+    assert!(ok, "{out}");
+    s.wait_targets(2);
+    let f = s.fleet("ramp");
+    assert_eq!(
+        f["status"]["plan"]["shardConnectionLimit"], SHARD_CAP,
+        "{}",
+        f["status"]["plan"]
+    );
+    // 1,500 clients; 2 shards hold at most 1,000 (the rest are refused and retry).
+    let load = Load::start(&s, 1500, 500, 100);
+    let crossed = wait_for("load past 2 shards' target (800)", MINUTE, || {
+        (s.loads().values().sum::<i64>() > 880).then(Instant::now)
+    });
+    let f = wait_for("scale-out decided", MINUTE, || {
+        let f = s.fleet("ramp");
+        (desired(&f) > 2).then_some(f)
+    });
+    // The status and the event say why.
+    assert!(
+        !f["status"]["autoscaling"]["reason"]
+            .as_str()
+            .unwrap()
+            .is_empty()
+    );
+    let why = wait_for("ScaledOut event", MINUTE, || {
+        events_for(s.ns(), "ramp")
+            .into_iter()
+            .find(|(t, r, _)| t == "Normal" && r == "ScaledOut")
+    });
+    assert!(why.2.contains("live connections need"), "{why:?}");
+    let target = desired(&f);
+    s.wait_targets(target as usize);
+    let ready_after = crossed.elapsed();
+    println!(
+        "FIGURE scale_out_threshold_to_ready_seconds={:.1}",
+        ready_after.as_secs_f64()
+    );
+    let f = wait_for("all clients served by 4 shards", MINUTE, || {
+        let f = s.fleet("ramp");
+        (desired(&f) >= 4 && s.loads().values().sum::<i64>() >= 1500).then_some(f)
+    });
+    assert!(
+        desired(&f) <= 5,
+        "1,500 connections at 400 per shard need 4 shards: {}",
+        f["status"]["autoscaling"]
+    );
+    assert_eq!(condition(&f, "MetricsAvailable").unwrap()["status"], "True");
+    assert!(
+        f["status"]["liveConnections"].as_i64().unwrap() >= 1400,
+        "{}",
+        f["status"]
+    );
+    let report = load.finish();
+    assert_eq!(report["openAtEnd"].as_u64(), Some(1500), "{report}");
+}
+
+#[test]
+fn b_rebalancing_after_scale_out_converges_within_the_reconnect_budget() {
+    let s = Scenario::start("ml-rebal", "rebal");
+    let budget = 100;
+    let rebalance = format!(
+        "  rebalance:\n    enabled: true\n    windowSeconds: 4\n    maxReconnectRate: {budget}\n"
+    );
+    let (ok, out) = apply(s.ns(), &fleet("rebal", 800, &rebalance));
+    assert!(ok, "{out}");
+    s.wait_targets(2);
+    let load = Load::start(&s, 700, 500, 110);
+    wait_for("700 connections on 2 shards", MINUTE, || {
+        (s.loads().values().sum::<i64>() == 700).then_some(())
+    });
+    // Declare more: the floor becomes 4 shards; the 2 new ones start empty.
+    let (ok, out) = apply(s.ns(), &fleet("rebal", 1600, &rebalance));
+    assert!(ok, "{out}");
+    s.wait_targets(4);
+    let loads = wait_for("4 shards reporting", MINUTE, || {
+        let l = s.loads();
+        (l.len() == 4 && l.values().sum::<i64>() == 700).then_some(l)
+    });
+    let mean = 700.0 / 4.0;
+    let needed: i64 = loads
+        .values()
+        .map(|v| (*v - mean.ceil() as i64).max(0))
+        .sum();
+    let shed = |s: &Scenario| {
+        try_prom_query(
+            &s.prom,
+            &format!(
+                r#"sum(c10m_connections_closed_total{{namespace="{}",reason="shed"}})"#,
+                s.ns()
+            ),
+        )
+        .ok()
+        .and_then(|v| v.first().map(|(_, x)| *x))
+        .unwrap_or(0.0)
+    };
+    let started = Instant::now();
+    let mut samples: Vec<(f64, f64)> = Vec::new();
+    let converged = loop {
+        std::thread::sleep(Duration::from_secs(2));
+        samples.push((started.elapsed().as_secs_f64(), shed(&s)));
+        let l = s.loads();
+        let max = l.values().copied().max().unwrap_or(0) as f64;
+        if l.len() == 4 && l.values().sum::<i64>() == 700 && max / mean <= 1.2 {
+            break started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no convergence: {l:?}"
+        );
+    };
+    // Fleet-wide reconnect rate: closes for rebalancing over every ≥ 6 s window
+    // (scrapes every 2 s), never above the budget (+1 scrape interval of slack).
+    let mut worst: f64 = 0.0;
+    for (i, a) in samples.iter().enumerate() {
+        for b in &samples[i + 1..] {
+            if b.0 - a.0 >= 6.0 {
+                worst = worst.max((b.1 - a.1) / (b.0 - a.0 - 2.0));
+            }
+        }
+    }
+    assert!(
+        worst <= budget as f64 * 1.1,
+        "reconnect rate {worst:.0}/s above the {budget}/s budget"
+    );
+    let f = s.fleet("rebal");
+    let ordered = f["status"]["rebalance"]["shedOrdered"].as_i64().unwrap();
+    assert!(ordered >= needed, "{ordered} shed for {needed} needed");
+    println!(
+        "FIGURE rebalance_convergence_seconds={:.1}",
+        converged.as_secs_f64()
+    );
+    println!(
+        "FIGURE rebalance_reconnects_issued_per_needed={:.2}",
+        ordered as f64 / needed as f64
+    );
+    println!("FIGURE rebalance_worst_reconnect_rate_per_s={worst:.0} budget={budget}");
+    assert!(
+        events_for(s.ns(), "rebal")
+            .iter()
+            .any(|(_, r, _)| r == "Rebalancing")
+    );
+    let report = load.finish();
+    assert_eq!(report["openAtEnd"].as_u64(), Some(700), "{report}");
+}
+
+#[test]
+fn c_a_prometheus_outage_never_scales_down_and_recovers() {
+    let s = Scenario::start("ml-outage", "outage");
+    let (ok, out) = apply(s.ns(), &fleet("outage", 800, &autoscaling("")));
+    assert!(ok, "{out}");
+    s.wait_targets(2);
+    // 1,400 clients: 3.5 shards' worth at 400 each, beyond the 10 % tolerance of 3.
+    let load = Load::start(&s, 1400, 500, 120);
+    let f = wait_for("scaled out to 4", MINUTE, || {
+        let f = s.fleet("outage");
+        (desired(&f) >= 4 && s.loads().values().sum::<i64>() == 1400).then_some(f)
+    });
+    let scaled = desired(&f);
+    assert_eq!(condition(&f, "MetricsAvailable").unwrap()["status"], "True");
+    // Prometheus goes away, and the load drops: nothing may scale down.
+    Prometheus::stop();
+    let report = load.finish();
+    assert!(report["closedByServer"].as_u64().is_some());
+    let f = wait_for("MetricsAvailable=False", MINUTE, || {
+        let f = s.fleet("outage");
+        (condition(&f, "MetricsAvailable")?["status"] == "False").then_some(f)
+    });
+    assert_eq!(
+        condition(&f, "MetricsAvailable").unwrap()["reason"],
+        "PrometheusUnreachable"
+    );
+    assert!(
+        events_for(s.ns(), "outage")
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "PrometheusUnreachable")
+    );
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_secs(2));
+        let dep = get_json(s.ns(), "deployment", "outage").unwrap();
+        assert_eq!(
+            dep["spec"]["replicas"], scaled,
+            "scaled while metrics were down"
+        );
+    }
+    // Prometheus returns: metrics available again, and with no load the fleet scales in.
+    let prom = Prometheus::ensure();
+    assert_eq!(prom, s.prom);
+    let f = wait_for("MetricsAvailable=True again", MINUTE, || {
+        let f = s.fleet("outage");
+        (condition(&f, "MetricsAvailable")?["status"] == "True").then_some(f)
+    });
+    assert!(desired(&f) >= 2);
+    wait_for("scale-in to the floor after recovery", MINUTE, || {
+        (desired(&s.fleet("outage")) == 2).then_some(())
+    });
+}
+
+#[test]
+fn d_scale_in_removes_the_least_loaded_shards_with_graceful_closes() {
+    let s = Scenario::start("ml-scalein", "scalein");
+    let (ok, out) = apply(s.ns(), &fleet("scalein", 800, &autoscaling("")));
+    assert!(ok, "{out}");
+    s.wait_targets(2);
+    // Two client groups: the first stays, the second leaves later.
+    let stay = Load::start(&s, 600, 500, 130);
+    let leave = Load::start(&s, 900, 500, 131);
+    wait_for("1,500 connections on 4 shards", MINUTE, || {
+        (desired(&s.fleet("scalein")) == 4 && s.loads().values().sum::<i64>() == 1500).then_some(())
+    });
+    leave.finish();
+    let before = wait_for("600 connections left", MINUTE, || {
+        let l = s.loads();
+        (l.values().sum::<i64>() == 600 && l.len() == 4).then_some(l)
+    });
+    let f = wait_for("scale-in", MINUTE, || {
+        let f = s.fleet("scalein");
+        (desired(&f) < 4).then_some(f)
+    });
+    let kept = desired(&f) as usize;
+    wait_for("removed shards gone", MINUTE, || {
+        (pods(s.ns(), "scalein").iter().filter(|p| p.ready).count() == kept).then_some(())
+    });
+    // The shards removed are the least loaded at the time of the decision.
+    let ready = pods(s.ns(), "scalein");
+    let gone: Vec<String> = before
+        .keys()
+        .filter(|p| !ready.iter().any(|x| &x.name == *p && x.ready))
+        .cloned()
+        .collect();
+    let remaining: Vec<&String> = before.keys().filter(|p| !gone.contains(p)).collect();
+    let max_gone = gone.iter().map(|p| before[p]).max().unwrap_or(0);
+    let min_kept = remaining
+        .iter()
+        .map(|p| before[*p])
+        .min()
+        .unwrap_or(i64::MAX);
+    assert!(
+        max_gone <= min_kept + 50,
+        "removed {gone:?} ({max_gone}) busier than kept ({min_kept}): {before:?}"
+    );
+    wait_for("clients back on the kept shards", MINUTE, || {
+        (s.loads().values().sum::<i64>() == 600).then_some(())
+    });
+    let report = stay.finish();
+    let closed = report["closedByServer"].as_u64().unwrap();
+    let goodbyes = report["goodbyes"]["1001"].as_u64().unwrap_or(0);
+    assert!(
+        closed > 0,
+        "the removed shards held some of these clients: {report}"
+    );
+    assert_eq!(
+        goodbyes, closed,
+        "every close was a WebSocket 1001 goodbye: {report}"
+    );
+    assert!(
+        events_for(s.ns(), "scalein")
+            .iter()
+            .any(|(_, r, _)| r == "ScaledIn")
+    );
+}
