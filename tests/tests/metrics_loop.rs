@@ -338,7 +338,7 @@ fn b_rebalancing_after_scale_out_converges_within_the_reconnect_budget() {
         let l = s.loads();
         (l.len() == 4 && l.values().sum::<i64>() == 700).then_some(l)
     });
-    let mean = 700.0 / 4.0;
+    let mean: f64 = 700.0 / 4.0;
     let needed: i64 = loads
         .values()
         .map(|v| (*v - mean.ceil() as i64).max(0))
