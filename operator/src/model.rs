@@ -39,11 +39,13 @@ pub const CONNTRACK_BYTES: i64 = 256;
 /// (KERNEL_FACTS.md, [source] design article).
 pub const GOROUTINE_USER_BYTES: i64 = 11_900;
 
-/// User-space bytes per idle connection of the bundled c10m-server (epoll):
-/// 23.5–23.7 B measured as the server's RSS delta ÷ 19,000 idle echo
-/// connections (16 B slab entry + slab/epoll bookkeeping), 3 runs on this
-/// project's 2-vCPU VM with `make measure-server`; rounded up to 24.
-pub const EPOLL_USER_BYTES: i64 = 24;
+/// User-space bytes per idle connection of the bundled c10m-server (epoll),
+/// echo protocol: 19.8 B measured by `make bench-server` (RSS delta of 8
+/// SO_REUSEPORT server processes ÷ 150,000 idle connections,
+/// target/bench/server.json; WebSocket 20.7 B) on this project's 2-vCPU VM;
+/// 23.7 B with one process and 19,000 connections (`make measure-server`).
+/// Rounded up to 20.
+pub const EPOLL_USER_BYTES: i64 = 20;
 
 /// Memory allowed per shard process beyond its connections: runtime, thread
 /// stacks, per-worker scratch buffers, metrics. A generous 64 MiB bound: the
