@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -221,6 +222,8 @@ impl Load {
             .arg(format!("--source-net={source_net}"))
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
+            // Its own process group: the child processes it forks die with it.
+            .process_group(0)
             .spawn()
             .expect("start c10m-loadgen");
         Load(Some(child))
@@ -229,8 +232,8 @@ impl Load {
     /// Stops the clients and returns their report.
     fn finish(mut self) -> Value {
         let child = self.0.take().unwrap();
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        // SAFETY: kill(2) on our own child's process group.
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGTERM) };
         let out = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("loadgen report: {e}: {text}"))
@@ -240,7 +243,8 @@ impl Load {
 impl Drop for Load {
     fn drop(&mut self) {
         if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
+            // SAFETY: kill(2) on our own child's process group.
+            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
             let _ = c.wait();
         }
     }
