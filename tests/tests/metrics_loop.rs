@@ -10,8 +10,8 @@
 //! Figures are printed as `FIGURE name=value` lines.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
