@@ -528,6 +528,24 @@ async fn reconcile_fleet(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Resu
         publish(&ctx, &fleet, type_, reason, "Autoscale", note.clone()).await;
     }
 
+    // A plan that cannot hold the declared connections (maxShards) is a Warning once.
+    if applied.is_ok()
+        && let Some(d) = status::condition(&next, status::DEGRADED).filter(|d| d.status == "True")
+        && prev
+            .and_then(|p| status::condition(p, status::DEGRADED))
+            .map(|c| (&c.status, &c.reason))
+            != Some((&d.status, &d.reason))
+    {
+        publish(
+            &ctx,
+            &fleet,
+            EventType::Warning,
+            &d.reason.clone(),
+            "Plan",
+            d.message.clone(),
+        )
+        .await;
+    }
     if prev.and_then(|p| p.plan.as_ref()) != Some(&plan) {
         let note = format!(
             "{} shards × {} connections ({} per node, {} nodes), limited by {}",

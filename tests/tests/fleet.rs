@@ -341,6 +341,28 @@ fn operator_reports_what_the_schema_cannot_and_recovers() {
     assert!(ok, "{out}");
     let fleet = wait_ready(ns, "too-big");
     assert_eq!(condition(&fleet, "Degraded").unwrap()["status"], "False");
+
+    // maxShards below what the declared connections need: Degraded and a Warning, once.
+    let capped = fleet_manifest("too-big", 10_000_000_000, "")
+        .replace("minShards: 3", "minShards: 1\n    maxShards: 1");
+    let (ok, out) = apply(ns, &capped);
+    assert!(ok, "{out}");
+    let f = wait_for("Degraded MaxShardsReached", MINUTE, || {
+        let f = get_json(ns, "connectionfleet", "too-big")?;
+        (condition(&f, "Degraded")?["reason"] == "MaxShardsReached").then_some(f)
+    });
+    assert!(
+        condition(&f, "Degraded").unwrap()["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.shard.maxShards")
+    );
+    wait_for("MaxShardsReached Warning event", MINUTE, || {
+        events_for(ns, "too-big")
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "MaxShardsReached")
+            .then_some(())
+    });
 }
 
 #[test]

@@ -380,3 +380,59 @@ fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
         "crd.manage=false must not touch the CRD"
     );
 }
+
+#[test]
+fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
+    ensure_crd();
+    let ns = Namespace::create("helm-dry");
+    let chart = chart();
+    let template = |extra: &[&str]| {
+        let mut args = vec![
+            "template",
+            "c10m",
+            chart.as_str(),
+            "-n",
+            ns.0.as_str(),
+            "--kube-version",
+            "1.35.4",
+        ];
+        args.extend_from_slice(extra);
+        helm(&args)
+    };
+    let (ok, rendered) = template(&[]);
+    assert!(ok, "{rendered}");
+    assert!(
+        !rendered.contains("kind: ServiceMonitor"),
+        "no ServiceMonitor API in this cluster"
+    );
+    let out = kubectl_with(
+        &["apply", "--dry-run=server", "-n", &ns.0, "-f", "-"],
+        Some(&rendered),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for kind in [
+        "serviceaccount",
+        "clusterrole.rbac",
+        "clusterrolebinding.rbac",
+        "service",
+        "deployment.apps",
+    ] {
+        assert!(
+            text.contains(kind) && text.contains("(server dry run)"),
+            "{kind} missing from {text}"
+        );
+    }
+    // The ServiceMonitor is rendered when the cluster serves its API.
+    let (ok, with_sm) = template(&["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]);
+    assert!(ok && with_sm.contains("kind: ServiceMonitor"), "{with_sm}");
+    // values.schema.json refuses bad values, naming them.
+    let (ok, out) = template(&["--set", "logFormat=xml"]);
+    assert!(!ok && out.contains("logFormat"), "{out}");
+    let (ok, out) = template(&["--set", "metrics.port=70000"]);
+    assert!(!ok && out.contains("metrics"), "{out}");
+}

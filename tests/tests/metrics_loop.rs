@@ -135,6 +135,29 @@ impl Scenario {
         get_json(self.ns(), "connectionfleet", name).expect("fleet exists")
     }
 
+    /// Waits until `pred` holds for the fleet (given its live loads); on
+    /// timeout the panic shows the fleet's status and the loads.
+    fn wait_fleet(
+        &self,
+        what: &str,
+        name: &str,
+        pred: impl Fn(&Value, &BTreeMap<String, i64>) -> bool,
+    ) -> Value {
+        let start = Instant::now();
+        loop {
+            let (f, loads) = (self.fleet(name), self.loads());
+            if pred(&f, &loads) {
+                return f;
+            }
+            assert!(
+                start.elapsed() < MINUTE,
+                "timed out waiting for {what}; loads {loads:?}; status {}",
+                f["status"]
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// Waits until the targets file lists `n` shards.
     fn wait_targets(&self, n: usize) {
         wait_for(&format!("{n} ready shard targets"), MINUTE, || {
@@ -277,10 +300,7 @@ fn a_ramp_past_capacity_adds_shards_and_says_why() {
     let crossed = wait_for("load past 2 shards' target (800)", MINUTE, || {
         (s.loads().values().sum::<i64>() > 880).then(Instant::now)
     });
-    let f = wait_for("scale-out decided", MINUTE, || {
-        let f = s.fleet("ramp");
-        (desired(&f) > 2).then_some(f)
-    });
+    let f = s.wait_fleet("scale-out decided", "ramp", |f, _| desired(f) > 2);
     // The status and the event say why.
     assert!(
         !f["status"]["autoscaling"]["reason"]
@@ -301,9 +321,8 @@ fn a_ramp_past_capacity_adds_shards_and_says_why() {
         "FIGURE scale_out_threshold_to_ready_seconds={:.1}",
         ready_after.as_secs_f64()
     );
-    let f = wait_for("all clients served by 4 shards", MINUTE, || {
-        let f = s.fleet("ramp");
-        (desired(&f) >= 4 && s.loads().values().sum::<i64>() >= 1500).then_some(f)
+    let f = s.wait_fleet("all clients served by 4 shards", "ramp", |f, l| {
+        desired(f) >= 4 && l.values().sum::<i64>() >= 1500
     });
     assert!(
         desired(&f) <= 5,
@@ -417,9 +436,8 @@ fn c_a_prometheus_outage_never_scales_down_and_recovers() {
     s.wait_targets(2);
     // 1,400 clients: 3.5 shards' worth at 400 each, beyond the 10 % tolerance of 3.
     let load = Load::start(&s, 1400, 500, 120);
-    let f = wait_for("scaled out to 4", MINUTE, || {
-        let f = s.fleet("outage");
-        (desired(&f) >= 4 && s.loads().values().sum::<i64>() == 1400).then_some(f)
+    let f = s.wait_fleet("scaled out to 4", "outage", |f, l| {
+        desired(f) >= 4 && l.values().sum::<i64>() == 1400
     });
     let scaled = desired(&f);
     assert_eq!(condition(&f, "MetricsAvailable").unwrap()["status"], "True");
@@ -470,8 +488,8 @@ fn d_scale_in_removes_the_least_loaded_shards_with_graceful_closes() {
     // Two client groups: the first stays, the second leaves later.
     let stay = Load::start(&s, 600, 500, 130);
     let leave = Load::start(&s, 900, 500, 131);
-    wait_for("1,500 connections on 4 shards", MINUTE, || {
-        (desired(&s.fleet("scalein")) == 4 && s.loads().values().sum::<i64>() == 1500).then_some(())
+    s.wait_fleet("1,500 connections on 4 shards", "scalein", |f, l| {
+        desired(f) == 4 && l.values().sum::<i64>() == 1500
     });
     leave.finish();
     let before = wait_for("600 connections left", MINUTE, || {
