@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make test`: every test of the workspace — unit, property, and end-to-end
 # against the local control plane. Brings the plane up if it is not running
-# and, in that case, tears it down afterwards (a plane left by `make demo` is
-# used and left running). Prometheus and the pod runner, which tests start
+# — from fresh state, so objects left by an earlier run (pods whose IPs a
+# restarted KWOK no longer knows) cannot interfere — and, in that case,
+# tears it down afterwards (a plane left by `make demo` is used and left
+# running). Prometheus and the pod runner, which tests start
 # on demand (tests/cluster/prometheus.sh, pod-runner.sh), are stopped in both
 # cases.
 set -euo pipefail
@@ -20,6 +22,9 @@ cleanup() {
   if [[ -n "$started" ]]; then bash "$here/cluster/down.sh" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
+if [[ -n "$started" ]]; then
+  bash "$here/cluster/down.sh" --purge >/dev/null
+fi
 bash "$here/cluster/up.sh"
 # A demo operator watching every namespace would reconcile the tests' fleets too.
 bash "$here/demo.sh" --stop
