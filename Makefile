@@ -18,7 +18,10 @@ help:
 	@echo "make test              unit, property and end-to-end tests (brings the plane up and down itself)"
 	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, helm lint"
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
-	@echo "make measure-server    c10m-server memory per idle connection (JSON)"
+	@echo "make measure-server    c10m-server memory per idle connection, one process (JSON)"
+	@echo "make bench-server      c10m-server vs tokio-naive vs floor probe, 150k connections each (target/bench/server.json)"
+	@echo "make test-server-scale 40k connections over 3 servers; 100k abusive connections"
+	@echo "make fuzz              cargo-fuzz each parser briefly (nightly)"
 
 deps:
 	@bash tests/cluster/install-deps.sh
