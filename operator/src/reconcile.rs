@@ -306,6 +306,41 @@ async fn report_failure(
     }
 }
 
+/// Records why the fleet cannot be reconciled as it stands (Degraded with
+/// `reason`, a Warning event when that changes) and waits: nothing changes
+/// until the spec, a node or the conflicting object does, so no retry loop.
+async fn reject(
+    ctx: &Context,
+    fleet: &ConnectionFleet,
+    api: &Api<ConnectionFleet>,
+    reason: &'static str,
+    message: String,
+    now: &Time,
+) -> Result<Action, Error> {
+    let prev = fleet.status.as_ref();
+    let outcome = Outcome::Rejected {
+        reason,
+        message: message.clone(),
+    };
+    let next = status::next_status(
+        prev,
+        fleet.metadata.generation.unwrap_or(0),
+        fleet.spec.connections,
+        &outcome,
+        now,
+    );
+    if prev.and_then(|p| status::condition(p, status::DEGRADED))
+        != status::condition(&next, status::DEGRADED)
+    {
+        warn!(fleet = %fleet.name_any(), reason, %message, "fleet rejected");
+        publish(ctx, fleet, EventType::Warning, reason, "Plan", message).await;
+    }
+    if Some(&next) != prev {
+        write_status(api, &fleet.name_any(), &next).await?;
+    }
+    Ok(Action::requeue(RESYNC))
+}
+
 /// One reconcile of one fleet. A failure not yet recorded becomes a
 /// `Degraded=True ReconcileFailed` condition and a Warning event, so that a
 /// missing RBAC verb or an API outage is visible on the fleet, not only in logs.
@@ -366,60 +401,14 @@ async fn reconcile_fleet(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Resu
     let plan = match planned {
         Ok(plan) => plan,
         Err((reason, e)) => {
-            let outcome = Outcome::Rejected {
-                reason,
-                message: e.to_string(),
-            };
-            let next =
-                status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
-            let changed = prev.and_then(|p| status::condition(p, status::DEGRADED))
-                != status::condition(&next, status::DEGRADED);
-            if changed {
-                warn!(fleet = %name, namespace = %ns, reason, error = %e, "fleet rejected");
-                publish(
-                    &ctx,
-                    &fleet,
-                    EventType::Warning,
-                    reason,
-                    "Plan",
-                    e.to_string(),
-                )
-                .await;
-            }
-            if Some(&next) != prev {
-                write_status(&fleets, &name, &next).await?;
-            }
-            // Nothing will change until the spec (or a node) does: no requeue loop.
-            return Ok(Action::requeue(RESYNC));
+            return reject(&ctx, &fleet, &fleets, reason, e.to_string(), &now).await;
         }
     };
     let owner = fleet
         .controller_owner_ref(&())
         .expect("a fleet from the API server has a uid");
     if let Some(conflict) = foreign_object(&ctx.client, &ns, &name, owner.uid.as_str()).await? {
-        let outcome = Outcome::Rejected {
-            reason: "ObjectConflict",
-            message: conflict.clone(),
-        };
-        let next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
-        if prev.and_then(|p| status::condition(p, status::DEGRADED))
-            != status::condition(&next, status::DEGRADED)
-        {
-            warn!(fleet = %name, namespace = %ns, %conflict, "fleet rejected");
-            publish(
-                &ctx,
-                &fleet,
-                EventType::Warning,
-                "ObjectConflict",
-                "Apply",
-                conflict,
-            )
-            .await;
-        }
-        if Some(&next) != prev {
-            write_status(&fleets, &name, &next).await?;
-        }
-        return Ok(Action::requeue(RESYNC));
+        return reject(&ctx, &fleet, &fleets, "ObjectConflict", conflict, &now).await;
     }
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns);
     let current = deployments
