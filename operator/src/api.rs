@@ -439,6 +439,7 @@ pub enum Protocol {
 /// Node profile: what one node offers the fleet.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("!has(self.memory) || (type(self.memory) == int ? self.memory >= 67108864 : (isQuantity(self.memory) && quantity(self.memory).compareTo(quantity('64Mi')) >= 0 && quantity(self.memory).compareTo(quantity('1Pi')) <= 0))").message("node.memory must be a quantity between 64Mi and 1Pi").field_path(".memory"))]
 pub struct NodeProfile {
     /// Memory of one node available to pods (a quantity such as 256Gi).
     #[serde(default, skip_serializing_if = "Option::is_none")]
