@@ -137,11 +137,19 @@ fn plan_offline(
     };
     let mut out = Vec::new();
     for fleet in read_fleets(file)? {
-        let name = fleet
+        let base = fleet
             .metadata
             .name
             .clone()
             .unwrap_or_else(|| "<unnamed>".into());
+        // Keyed as namespace/name when the manifest names a namespace.
+        let name = match &fleet.metadata.namespace {
+            Some(ns) => format!("{ns}/{base}"),
+            None => base,
+        };
+        if out.iter().any(|(n, _, _)| *n == name) {
+            bail!("two fleets named {name}");
+        }
         let node = nodes::resolve(&fleet.spec, observed).with_context(|| {
             format!("fleet {name} (offline: set spec.node.memory and spec.node.cpus, or pass --node-memory and --node-cpus)")
         })?;
