@@ -452,3 +452,16 @@ pub fn try_prom_query(
         other => anyhow::bail!("unsupported result type {other:?} for {promql:?}"),
     })
 }
+
+/// Logging of the harness daemons (pod runner, Prometheus discovery):
+/// `RUST_LOG` (default `info,kube=warn`) to stderr, colours only on a terminal.
+pub fn init_stderr_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into()),
+        )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -101,14 +101,7 @@ fn write_atomic(path: &Path, contents: &str) -> Result<()> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,kube=warn".into()),
-        )
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+    c10m_e2e::init_stderr_logging();
     let args = Args::parse();
     let client = Client::try_default().await.context("kube client")?;
     let (store, writer) = reflector::store::<Pod>();
