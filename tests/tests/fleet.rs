@@ -451,8 +451,16 @@ fn invalid_manifests_are_refused_naming_the_field() {
             "spec:\n  connections: 10\n  node:\n    memory: lots\n",
             "spec.node.memory",
         ),
-        ("zero memory", "spec:\n  connections: 10\n  node:\n    memory: \"0\"\n", "spec.node.memory"),
-        ("milli-byte memory", "spec:\n  connections: 10\n  node:\n    memory: 500m\n", "spec.node.memory"),
+        (
+            "zero memory",
+            "spec:\n  connections: 10\n  node:\n    memory: \"0\"\n",
+            "spec.node.memory",
+        ),
+        (
+            "milli-byte memory",
+            "spec:\n  connections: 10\n  node:\n    memory: 500m\n",
+            "spec.node.memory",
+        ),
         ("missing spec", "", "spec"),
         (
             "name not a DNS-1035 label",
