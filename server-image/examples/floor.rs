@@ -25,7 +25,7 @@ fn main() -> std::io::Result<()> {
     socket.set_reuse_address(true)?;
     socket.set_reuse_port(true)?;
     socket.bind(&addr.into())?;
-    socket.listen(65_535)?;
+    socket.listen(c10m_server::config::DEFAULT_BACKLOG)?;
     let listener: std::net::TcpListener = socket.into();
     let mut poll = Poll::new()?;
     let lfd = listener.as_raw_fd();

@@ -25,7 +25,7 @@ async fn main() -> std::io::Result<()> {
     socket.set_reuseaddr(true)?;
     socket.set_reuseport(true)?;
     socket.bind(addr)?;
-    let listener = socket.listen(65_535)?;
+    let listener = socket.listen(c10m_wire::limits::LISTEN_BACKLOG)?;
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(x) => x,

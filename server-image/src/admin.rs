@@ -1,8 +1,10 @@
 //! The admin HTTP/1.1 server: `GET /metrics`, `GET /healthz`, and the
 //! authenticated `POST /drain?rate=R` and `POST /shed?count=N&rate=R`.
 //!
-//! One thread, one request per connection (`Connection: close`), requests
-//! parsed with `httparse`, query strings with `form_urlencoded`. Scrapes and
+//! Paths and query keys are the operator's contract
+//! ([`c10m_wire::admin`]). One thread, one request per connection
+//! (`Connection: close`), requests parsed with `httparse`, query strings
+//! with `form_urlencoded`. Scrapes and
 //! probes are a few per second, so this stays off the workers and out of
 //! their way.
 
@@ -14,6 +16,7 @@ use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
 
+use c10m_wire::admin::{COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, METRICS_PATH, RATE_KEY, SHED_PATH};
 use subtle::ConstantTimeEq;
 
 use crate::metrics::{CloseReason, Format, Metrics};
@@ -129,7 +132,7 @@ fn number<T: std::str::FromStr>(query: &str, key: &str) -> Result<Option<T>, ()>
 }
 
 fn rate(query: &str) -> Result<Option<f64>, ()> {
-    match number::<f64>(query, "rate")? {
+    match number::<f64>(query, RATE_KEY)? {
         Some(r) if !r.is_finite() || r < 0.0 => Err(()),
         r => Ok(r),
     }
@@ -138,11 +141,11 @@ fn rate(query: &str) -> Result<Option<f64>, ()> {
 /// Parses the query of `POST /drain` or `POST /shed` into an [`Action`].
 pub fn parse_action(path: &str, query: &str) -> Result<Action, &'static str> {
     match path {
-        "/drain" => Ok(Action::Drain {
+        DRAIN_PATH => Ok(Action::Drain {
             rate: rate(query).map_err(|()| "rate must be a number >= 0")?,
         }),
-        "/shed" => {
-            let count = number::<u64>(query, "count")
+        SHED_PATH => {
+            let count = number::<u64>(query, COUNT_KEY)
                 .map_err(|()| "count must be an integer >= 0")?
                 .ok_or("count is required")?;
             let rate = rate(query).map_err(|()| "rate must be a number >= 0")?;
@@ -172,7 +175,7 @@ pub fn route(
 ) -> Response {
     let (method, target) = (req.method.as_str(), req.target.as_str());
     let path = target.split(['?', '#']).next().unwrap_or(target);
-    if matches!(path, "/drain" | "/shed") {
+    if matches!(path, DRAIN_PATH | SHED_PATH) {
         if method != "POST" {
             let mut r = Response::text(405, "method not allowed");
             r.headers.push(("Allow", "POST"));
@@ -196,7 +199,7 @@ pub fn route(
             Err(e) => Response::text(400, e),
         };
     }
-    let known = matches!(path, "/metrics" | "/healthz");
+    let known = matches!(path, METRICS_PATH | HEALTHZ_PATH);
     if !known {
         return Response::text(404, "not found");
     }
@@ -206,7 +209,7 @@ pub fn route(
         return r;
     }
     match (path, health) {
-        ("/metrics", _) => {
+        (METRICS_PATH, _) => {
             let format = Format::negotiate(req.accept.as_deref());
             Response {
                 status: 200,

@@ -1,12 +1,18 @@
 //! Command line and environment configuration.
 //!
-//! The flag and environment variable names here are a contract: the operator
-//! renders them into the shard Deployment (`operator/src/render`). Rename
-//! nothing without changing the renderer in the same change.
+//! The environment variable names and protocol values are the operator's
+//! contract and come from `c10m-wire` ([`c10m_wire::env`],
+//! [`c10m_wire::protocol`]): the operator renders the same constants into
+//! the shard Deployment. [`Config::from_env_pairs`] runs this parser on an
+//! explicit environment, so the operator's tests can check what a rendered
+//! Deployment would make of it.
 
+use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr};
 
-use clap::{Parser, ValueEnum};
+use c10m_wire::{env, protocol};
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 /// Default TCP port of the connection listeners (`spec.server.port`).
 pub const DEFAULT_PORT: u16 = 7000;
@@ -17,23 +23,25 @@ pub const DEFAULT_METRICS_PORT: u16 = 9090;
 /// Default per-process connection cap, in connections.
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1_000_000;
 
-/// Default `listen(2)` backlog, in pending connections, per listener.
-///
-/// The kernel silently clamps it to `net.core.somaxconn` (4,096 in a fresh pod
-/// network namespace). A 128 backlog overflowed at 19k connections and cut the
-/// accept rate from ~50k/s to ~160/s [measured, `shared/KERNEL_FACTS.md`], so
-/// ask for the largest value a `u16` socket queue length can hold and let the
-/// operator raise `somaxconn` to match.
-pub const DEFAULT_BACKLOG: i32 = 65_535;
+/// Default `listen(2)` backlog, in pending connections, per listener:
+/// [`c10m_wire::limits::LISTEN_BACKLOG`] (why that value is documented
+/// there). The kernel silently clamps it to `net.core.somaxconn` (4,096 in a
+/// fresh pod network namespace), which the operator raises to match.
+pub const DEFAULT_BACKLOG: i32 = c10m_wire::limits::LISTEN_BACKLOG as i32;
+
+// The cast above keeps the value: `listen(2)` takes an `int`.
+const _: () = assert!(c10m_wire::limits::LISTEN_BACKLOG <= i32::MAX as u32);
 
 /// Wire protocol the workers speak on accepted connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Protocol {
     /// Write back every byte read, unchanged. The load generator's ping is
     /// a 16-byte message it times until the same 16 bytes come back.
+    #[value(name = protocol::ECHO)]
     Echo,
     /// WebSocket (RFC 6455): HTTP/1.1 upgrade, then text and binary
     /// messages are echoed, pings answered, closes completed.
+    #[value(name = protocol::WEBSOCKET)]
     Websocket,
 }
 
@@ -58,53 +66,53 @@ pub const DEFAULT_DRAIN_TIMEOUT_SECS: u64 = 25;
 )]
 pub struct Config {
     /// Address the connection listeners and the admin HTTP server bind to.
-    #[arg(long, env = "C10M_BIND", default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    #[arg(long, env = env::BIND, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
     pub bind: IpAddr,
 
     /// TCP port of the connection listeners (one SO_REUSEPORT listener per
     /// worker). 0 picks a free port once and shares it among the workers.
-    #[arg(long, env = "C10M_PORT", default_value_t = DEFAULT_PORT)]
+    #[arg(long, env = env::PORT, default_value_t = DEFAULT_PORT)]
     pub port: u16,
 
     /// TCP port of the admin HTTP server (GET /metrics, GET /healthz).
-    #[arg(long, env = "C10M_METRICS_PORT", default_value_t = DEFAULT_METRICS_PORT)]
+    #[arg(long, env = env::METRICS_PORT, default_value_t = DEFAULT_METRICS_PORT)]
     pub metrics_port: u16,
 
     /// Worker threads, each with its own listener and event loop.
     /// Default: the number of CPUs in the process's affinity mask.
-    #[arg(long, env = "C10M_WORKERS", value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, env = env::WORKERS, value_parser = clap::value_parser!(u16).range(1..))]
     pub workers: Option<u16>,
 
     /// Per-process cap on live connections; above it new connections are
     /// accepted and closed at once (counted as rejected, reason "capacity").
-    #[arg(long, env = "C10M_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    #[arg(long, env = env::MAX_CONNECTIONS, default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: u64,
 
     /// File descriptor limit the capacity plan expects (RLIMIT_NOFILE). If the
     /// limit in force after raising soft to hard is lower, the server warns and
     /// lowers the connection cap to fit it.
-    #[arg(long, env = "C10M_NOFILE", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = env::NOFILE, value_parser = clap::value_parser!(u64).range(1..))]
     pub nofile: Option<u64>,
 
     /// listen(2) backlog per listener, in pending connections (the kernel
     /// clamps it to net.core.somaxconn).
     #[arg(
         long,
-        env = "C10M_BACKLOG",
+        env = env::BACKLOG,
         default_value_t = DEFAULT_BACKLOG,
         value_parser = clap::value_parser!(i32).range(1..)
     )]
     pub backlog: i32,
 
     /// Protocol spoken on accepted connections.
-    #[arg(long, env = "C10M_PROTOCOL", value_enum, default_value_t = Protocol::Echo)]
+    #[arg(long, env = env::PROTOCOL, value_enum, default_value_t = Protocol::Echo)]
     pub protocol: Protocol,
 
     /// Seconds a WebSocket upgrade request may take before the connection is
     /// closed (enforced within one more second).
     #[arg(
         long,
-        env = "C10M_HANDSHAKE_TIMEOUT_SECS",
+        env = env::HANDSHAKE_TIMEOUT_SECS,
         default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECS,
         value_parser = clap::value_parser!(u32).range(1..)
     )]
@@ -112,14 +120,14 @@ pub struct Config {
 
     /// Seconds without a read after which a connection is closed; 0 (the
     /// default) never closes idle connections, as push-style fleets need.
-    #[arg(long, env = "C10M_IDLE_TIMEOUT_SECS", default_value_t = 0)]
+    #[arg(long, env = env::IDLE_TIMEOUT_SECS, default_value_t = 0)]
     pub idle_timeout_secs: u32,
 
     /// Largest WebSocket frame payload accepted, in bytes; a larger frame
     /// closes the connection with status 1009.
     #[arg(
         long,
-        env = "C10M_MAX_FRAME_BYTES",
+        env = env::MAX_FRAME_BYTES,
         default_value_t = crate::ws::DEFAULT_MAX_FRAME_BYTES,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1 << 30))
     )]
@@ -127,25 +135,25 @@ pub struct Config {
 
     /// Connections closed per second when draining on SIGTERM/SIGINT; 0 (the
     /// default) closes them all at once.
-    #[arg(long, env = "C10M_DRAIN_RATE", default_value_t = 0.0)]
+    #[arg(long, env = env::DRAIN_RATE, default_value_t = 0.0)]
     pub drain_rate: f64,
 
     /// Seconds a drain may take; what is still open then is closed at once
     /// and the process exits.
-    #[arg(long, env = "C10M_DRAIN_TIMEOUT_SECS", default_value_t = DEFAULT_DRAIN_TIMEOUT_SECS)]
+    #[arg(long, env = env::DRAIN_TIMEOUT_SECS, default_value_t = DEFAULT_DRAIN_TIMEOUT_SECS)]
     pub drain_timeout_secs: u64,
 
     /// File holding the bearer token that `POST /drain` and `POST /shed`
     /// require (surrounding whitespace ignored). Without a token from this
     /// file or C10M_ADMIN_TOKEN, those endpoints answer 401.
-    #[arg(long, env = "C10M_ADMIN_TOKEN_FILE")]
+    #[arg(long, env = env::ADMIN_TOKEN_FILE)]
     pub admin_token_file: Option<std::path::PathBuf>,
 
     /// The bearer token itself (environment only, so it stays out of the
     /// process list); `--admin-token-file` wins if both are set.
     #[arg(
         long = "admin-token",
-        env = "C10M_ADMIN_TOKEN",
+        env = env::ADMIN_TOKEN,
         hide = true,
         hide_env_values = true
     )]
@@ -153,6 +161,58 @@ pub struct Config {
 }
 
 impl Config {
+    /// Parses the configuration from an explicit environment, the way the
+    /// `c10m-server` binary parses its own environment when started with
+    /// no flags, without reading or changing the process environment.
+    ///
+    /// Each pair is a variable name and its value, as in a container's
+    /// `env`. Names the server reads (the `env` of each flag, i.e. the
+    /// [`c10m_wire::env`] constants) become that flag; any other name is
+    /// ignored, as the server ignores unknown variables (so a misspelt name
+    /// shows up as a default value, which is what a caller should compare).
+    /// When a name occurs more than once the last value wins, as for a
+    /// container's `env` list. The process's own `C10M_*` variables play no
+    /// part. Flags that are not set fall back to their
+    /// defaults; bad values give the same `clap::Error` the binary would
+    /// print.
+    ///
+    /// ```
+    /// let c = c10m_server::Config::from_env_pairs([
+    ///     ("C10M_PORT", "7100"),
+    ///     ("C10M_PROTOCOL", "websocket"),
+    /// ])
+    /// .unwrap();
+    /// assert_eq!((c.port, c.protocol), (7100, c10m_server::Protocol::Websocket));
+    /// ```
+    pub fn from_env_pairs<K, V>(
+        pairs: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Config, clap::Error>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let env: BTreeMap<String, String> = pairs
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+            .collect();
+        let cmd = Config::command();
+        let mut argv = vec![OsString::from(cmd.get_name())];
+        for arg in cmd.get_arguments() {
+            let (Some(name), Some(long)) = (arg.get_env(), arg.get_long()) else {
+                continue;
+            };
+            if let Some(value) = name.to_str().and_then(|n| env.get(n)) {
+                // `--flag=value`, so a value starting with `-` stays a value.
+                argv.push(format!("--{long}={value}").into());
+            }
+        }
+        // clap reads each flag's variable from the process environment when
+        // the command is built; drop those, so only `pairs` count.
+        let mut cmd = cmd.mut_args(|a| a.env(None::<&str>));
+        let matches = cmd.try_get_matches_from_mut(argv)?;
+        Config::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
+    }
+
     /// The admin bearer token: from `--admin-token-file` if given, else
     /// C10M_ADMIN_TOKEN. An empty token counts as none.
     pub fn admin_token(&self) -> std::io::Result<Option<String>> {
@@ -172,7 +232,6 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     fn parse(args: &[&str]) -> Result<Config, clap::Error> {
         Config::try_parse_from(std::iter::once("c10m-server").chain(args.iter().copied()))
@@ -274,21 +333,21 @@ mod tests {
             })
             .collect();
         let expected = [
-            ("bind", "C10M_BIND"),
-            ("port", "C10M_PORT"),
-            ("metrics-port", "C10M_METRICS_PORT"),
-            ("workers", "C10M_WORKERS"),
-            ("max-connections", "C10M_MAX_CONNECTIONS"),
-            ("nofile", "C10M_NOFILE"),
-            ("backlog", "C10M_BACKLOG"),
-            ("protocol", "C10M_PROTOCOL"),
-            ("handshake-timeout-secs", "C10M_HANDSHAKE_TIMEOUT_SECS"),
-            ("idle-timeout-secs", "C10M_IDLE_TIMEOUT_SECS"),
-            ("max-frame-bytes", "C10M_MAX_FRAME_BYTES"),
-            ("drain-rate", "C10M_DRAIN_RATE"),
-            ("drain-timeout-secs", "C10M_DRAIN_TIMEOUT_SECS"),
-            ("admin-token-file", "C10M_ADMIN_TOKEN_FILE"),
-            ("admin-token", "C10M_ADMIN_TOKEN"),
+            ("bind", env::BIND),
+            ("port", env::PORT),
+            ("metrics-port", env::METRICS_PORT),
+            ("workers", env::WORKERS),
+            ("max-connections", env::MAX_CONNECTIONS),
+            ("nofile", env::NOFILE),
+            ("backlog", env::BACKLOG),
+            ("protocol", env::PROTOCOL),
+            ("handshake-timeout-secs", env::HANDSHAKE_TIMEOUT_SECS),
+            ("idle-timeout-secs", env::IDLE_TIMEOUT_SECS),
+            ("max-frame-bytes", env::MAX_FRAME_BYTES),
+            ("drain-rate", env::DRAIN_RATE),
+            ("drain-timeout-secs", env::DRAIN_TIMEOUT_SECS),
+            ("admin-token-file", env::ADMIN_TOKEN_FILE),
+            ("admin-token", env::ADMIN_TOKEN),
         ];
         for (flag, env) in expected {
             assert!(
@@ -298,5 +357,96 @@ mod tests {
         }
         assert_eq!(envs.len(), expected.len());
         cmd.debug_assert();
+    }
+
+    #[test]
+    fn protocol_values_are_the_contract() {
+        let name = |p: Protocol| p.to_possible_value().unwrap().get_name().to_string();
+        assert_eq!(name(Protocol::Echo), protocol::ECHO);
+        assert_eq!(name(Protocol::Websocket), protocol::WEBSOCKET);
+    }
+
+    #[test]
+    fn every_env_variable_parses_from_explicit_pairs() {
+        // from_env_pairs turns each variable into `--flag=value`: every
+        // flag with an env fallback must take a value for that to hold.
+        for a in Config::command().get_arguments() {
+            if a.get_env().is_some() {
+                assert!(a.get_action().takes_values(), "{:?}", a.get_id());
+            }
+        }
+        let c = Config::from_env_pairs([
+            (env::BIND, "127.0.0.9"),
+            (env::PORT, "7100"),
+            (env::METRICS_PORT, "9100"),
+            (env::WORKERS, "3"),
+            (env::MAX_CONNECTIONS, "42"),
+            (env::NOFILE, "1048608"),
+            (env::BACKLOG, "1024"),
+            (env::PROTOCOL, protocol::WEBSOCKET),
+            (env::HANDSHAKE_TIMEOUT_SECS, "5"),
+            (env::IDLE_TIMEOUT_SECS, "600"),
+            (env::MAX_FRAME_BYTES, "100"),
+            (env::DRAIN_RATE, "250.5"),
+            (env::DRAIN_TIMEOUT_SECS, "20"),
+            (env::ADMIN_TOKEN, "-s3cret"),
+        ])
+        .unwrap();
+        assert_eq!(c.bind, "127.0.0.9".parse::<IpAddr>().unwrap());
+        assert_eq!((c.port, c.metrics_port), (7100, 9100));
+        assert_eq!(c.workers, Some(3));
+        assert_eq!(c.max_connections, 42);
+        assert_eq!(c.nofile, Some(1_048_608));
+        assert_eq!(c.backlog, 1024);
+        assert_eq!(c.protocol, Protocol::Websocket);
+        assert_eq!((c.handshake_timeout_secs, c.idle_timeout_secs), (5, 600));
+        assert_eq!(c.max_frame_bytes, 100);
+        assert_eq!(c.drain_rate, 250.5);
+        assert_eq!(c.drain_timeout_secs, 20);
+        assert_eq!(c.admin_token().unwrap().as_deref(), Some("-s3cret"));
+        let c = Config::from_env_pairs([(env::ADMIN_TOKEN_FILE, "/run/token")]).unwrap();
+        assert_eq!(c.admin_token_file, Some("/run/token".into()));
+    }
+
+    #[test]
+    fn explicit_env_ignores_other_names_and_takes_the_last_value() {
+        let pairs = vec![
+            ("RUST_LOG".to_string(), "debug".to_string()),
+            ("C10M_MAX_CONNECTION".to_string(), "7".to_string()),
+            (env::PORT.to_string(), "7100".to_string()),
+            (env::PORT.to_string(), "7200".to_string()),
+        ];
+        let c = Config::from_env_pairs(pairs).unwrap();
+        assert_eq!(c.port, 7200);
+        assert_eq!(
+            c.max_connections, DEFAULT_MAX_CONNECTIONS,
+            "a misspelt name is ignored"
+        );
+        let none: [(&str, &str); 0] = [];
+        let c = Config::from_env_pairs(none).unwrap();
+        assert_eq!((c.port, c.backlog), (DEFAULT_PORT, DEFAULT_BACKLOG));
+    }
+
+    #[test]
+    fn explicit_env_rejects_what_the_binary_rejects() {
+        for (name, value) in [
+            (env::WORKERS, "0"),
+            (env::BACKLOG, "0"),
+            (env::PROTOCOL, "http"),
+            (env::PORT, "70000"),
+            (env::PORT, ""),
+            (env::MAX_CONNECTIONS, "-1"),
+            (env::BIND, "localhost"),
+        ] {
+            let e = Config::from_env_pairs([(name, value)]).unwrap_err();
+            assert!(
+                matches!(
+                    e.kind(),
+                    clap::error::ErrorKind::ValueValidation | clap::error::ErrorKind::InvalidValue
+                ),
+                "{name}={value:?}: {e}"
+            );
+            assert!(e.to_string().contains(value), "{e}");
+        }
     }
 }

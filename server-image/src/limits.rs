@@ -1,27 +1,15 @@
 //! Process limits: the file descriptor limit, the connection cap derived from
 //! it, and the CPUs the workers may be pinned to.
+//!
+//! The descriptors kept back from the connection budget ([`fd_reserve`])
+//! and the `fs.nr_open` fallback ([`DEFAULT_NR_OPEN`]) are shared with the
+//! operator's capacity plan, so they live in [`c10m_wire::limits`]. The
+//! per-worker part counts what a worker holds besides its connections: its
+//! listener, epoll instance, waker eventfd and spare descriptor.
 
+use c10m_wire::limits::{DEFAULT_NR_OPEN, fd_reserve};
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
-
-/// File descriptors kept back from the connection budget regardless of the
-/// worker count, in descriptors: stdin/stdout/stderr, the admin listener and
-/// the admin connections it serves one at a time, the signal-hook self-pipe,
-/// and slack for whatever the runtime or a debugger opens. Chosen, not
-/// measured: generous against the handful actually used.
-pub const FD_RESERVE_BASE: u64 = 32;
-
-/// File descriptors each worker holds besides its connections, in
-/// descriptors: its SO_REUSEPORT listener, its epoll instance, the eventfd
-/// behind its `mio::Waker`, and its spare descriptor for accepting under
-/// `EMFILE` (see `worker`).
-pub const FD_RESERVE_PER_WORKER: u64 = 4;
-
-/// Fallback for `fs.nr_open`, the kernel's ceiling on any RLIMIT_NOFILE, in
-/// descriptors. This is the kernel default (1,048,576) [source:
-/// `shared/KERNEL_FACTS.md`, "Limits and where they live"]; used only when
-/// the hard limit is unlimited and `/proc/sys/fs/nr_open` cannot be read.
-pub const DEFAULT_NR_OPEN: u64 = 1_048_576;
 
 /// RLIMIT_NOFILE before and after [`raise_nofile`], in descriptors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +27,8 @@ fn rlim_value(v: Option<u64>, unlimited: u64) -> u64 {
     v.unwrap_or(unlimited)
 }
 
+/// `fs.nr_open`, or the kernel default ([`DEFAULT_NR_OPEN`]) when it cannot
+/// be read; used only as the value of an unlimited hard limit.
 fn nr_open() -> u64 {
     std::fs::read_to_string("/proc/sys/fs/nr_open")
         .ok()
@@ -89,11 +79,6 @@ pub fn raise_nofile(target: Option<u64>) -> NofileLimit {
         hard,
         effective: rlim_value(now.current, ceiling),
     }
-}
-
-/// Descriptors kept back from the connection budget for `workers` workers.
-pub fn fd_reserve(workers: u64) -> u64 {
-    FD_RESERVE_BASE + FD_RESERVE_PER_WORKER * workers
 }
 
 /// Why the connection cap is lower than `--max-connections`, if it is.
@@ -194,6 +179,7 @@ mod tests {
     fn cap_is_lowered_to_fd_limit_minus_reserve() {
         // The default 1M cap on this machine's 20,000 descriptors, 2 workers.
         let c = connection_cap(1_000_000, None, 20_000, 2);
+        use c10m_wire::limits::{FD_RESERVE_BASE, FD_RESERVE_PER_WORKER};
         assert_eq!(
             c.cap,
             20_000 - (FD_RESERVE_BASE + 2 * FD_RESERVE_PER_WORKER)

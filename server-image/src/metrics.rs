@@ -214,6 +214,15 @@ pub struct SysctlLabel {
     pub field: &'static str,
 }
 
+/// The name to register a metric with `unit` under so that it is exported
+/// as `exported`: `prometheus-client` appends the unit (`_bytes`) itself.
+fn unit_base<'a>(exported: &'a str, unit: &Unit) -> &'a str {
+    exported
+        .strip_suffix(unit.as_str())
+        .and_then(|n| n.strip_suffix('_'))
+        .unwrap_or_else(|| panic!("{exported:?} does not end in _{}", unit.as_str()))
+}
+
 /// All server metrics and the registry that exposes them.
 #[derive(Debug)]
 pub struct Metrics {
@@ -294,7 +303,7 @@ impl Metrics {
         };
         let registry = &mut m.registry;
         registry.register(
-            "c10m_connections",
+            c10m_wire::metrics::CONNECTIONS,
             "Live connections held, per worker",
             m.connections.clone(),
         );
@@ -356,7 +365,7 @@ impl Metrics {
             m.tcp_sockets.clone(),
         );
         registry.register_with_unit(
-            "c10m_tcp_memory",
+            unit_base(c10m_wire::metrics::TCP_MEMORY_BYTES, &Unit::Bytes),
             "Memory charged against net.ipv4.tcp_mem (node-wide, /proc/net/sockstat TCP mem times the page size)",
             Unit::Bytes,
             m.tcp_memory.clone(),
@@ -524,6 +533,26 @@ mod tests {
         assert!(!text.contains("# EOF"));
         assert!(!text.contains("# UNIT"));
         assert!(!text.contains("# TYPE c10m_connections_accepted counter"));
+    }
+
+    #[test]
+    fn names_the_operator_queries_are_exported_as_in_the_wire() {
+        use c10m_wire::metrics::{CONNECTIONS, TCP_MEMORY_BYTES};
+        let m = Metrics::new(1);
+        for format in [Format::OpenMetrics, Format::PrometheusText] {
+            let text = m.encode(format);
+            for line in [
+                format!("# TYPE {CONNECTIONS} gauge"),
+                format!("{CONNECTIONS}{{worker=\"0\"}} 0"),
+                format!("# TYPE {TCP_MEMORY_BYTES} gauge"),
+                format!("{TCP_MEMORY_BYTES} 0"),
+            ] {
+                assert!(
+                    text.lines().any(|l| l == line),
+                    "missing {line:?} in:\n{text}"
+                );
+            }
+        }
     }
 
     #[test]

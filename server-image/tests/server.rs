@@ -13,7 +13,7 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use c10m_server::limits::fd_reserve;
+use c10m_wire::limits::fd_reserve;
 use common::*;
 
 #[test]

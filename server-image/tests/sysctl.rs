@@ -76,15 +76,17 @@ fn node_sysctls_are_raised_never_lowered() {
         host_proc.join("1/ns/net"),
     )
     .unwrap();
+    // The arguments as the operator renders them.
+    use c10m_wire::sysctl_tool::{HOST_PROC_FLAG, RAISE_NODE_FLAG, arg};
     let out = Command::new(BIN)
         .args([
-            format!("--host-proc={}", host_proc.display()),
+            format!("{HOST_PROC_FLAG}={}", host_proc.display()),
             format!("--proc-sys={}", dir.display()),
         ])
         .args([
-            "--raise-node=net.ipv4.tcp_mem=50 400 350",
-            "--raise-node=fs.nr_open=1250080",
-            "--raise-node=fs.file-max=5000",
+            arg(RAISE_NODE_FLAG, "net.ipv4.tcp_mem", "50 400 350"),
+            arg(RAISE_NODE_FLAG, "fs.nr_open", "1250080"),
+            arg(RAISE_NODE_FLAG, "fs.file-max", "5000"),
         ])
         .output()
         .unwrap();

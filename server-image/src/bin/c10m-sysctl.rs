@@ -5,23 +5,32 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use c10m_server::sysctl::{self, Applied, Setting};
+use c10m_wire::sysctl_tool;
 use clap::Parser;
 
+/// A flag's long name as clap wants it: the operator's `--flag` without
+/// the dashes.
+fn long(flag: &'static str) -> &'static str {
+    flag.trim_start_matches('-')
+}
+
+// The flags are the operator's contract (`c10m_wire::sysctl_tool`): it
+// renders them into the fleet's init container.
 #[derive(Parser)]
 #[command(
-    name = "c10m-sysctl",
+    name = sysctl_tool::BINARY,
     version,
     about = "Set namespaced sysctls and raise (never lower) node-level ones"
 )]
 struct Args {
     /// Namespaced sysctl to write in this network namespace (repeatable).
-    #[arg(long = "set", value_name = "NAME=VALUE", value_parser = sysctl::parse_setting)]
+    #[arg(long = long(sysctl_tool::SET_FLAG), value_name = "NAME=VALUE", value_parser = sysctl::parse_setting)]
     set: Vec<Setting>,
     /// Node-level sysctl to raise in the host network namespace (repeatable).
-    #[arg(long = "raise-node", value_name = "NAME=VALUE", value_parser = sysctl::parse_setting)]
+    #[arg(long = long(sysctl_tool::RAISE_NODE_FLAG), value_name = "NAME=VALUE", value_parser = sysctl::parse_setting)]
     raise_node: Vec<Setting>,
     /// Where the host's /proc is mounted (its PID 1's netns is entered for node-level sysctls).
-    #[arg(long, default_value = "/host/proc")]
+    #[arg(long = long(sysctl_tool::HOST_PROC_FLAG), default_value = sysctl_tool::HOST_PROC_MOUNT)]
     host_proc: PathBuf,
     /// Root of the sysctl tree.
     #[arg(long, default_value = "/proc/sys")]
