@@ -6,13 +6,18 @@
 
 use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-use crate::model::Plan;
+pub mod status;
+pub mod sysctl;
+
+pub use status::{
+    AutoscalingStatus, BytesPerConnection, ConnectionFleetStatus, LimitingFactor, Plan,
+    RebalanceStatus,
+};
 
 /// Most connections one fleet may declare (10^10): beyond any single fleet
 /// and still exact in an `f64`, so the model's arithmetic stays exact.
@@ -436,6 +441,16 @@ pub enum Protocol {
     Websocket,
 }
 
+impl Protocol {
+    /// The value of [`c10m_wire::env::PROTOCOL`] the bundled server parses.
+    pub fn wire_name(self) -> &'static str {
+        match self {
+            Protocol::Echo => c10m_wire::protocol::ECHO,
+            Protocol::Websocket => c10m_wire::protocol::WEBSOCKET,
+        }
+    }
+}
+
 /// Node profile: what one node offers the fleet.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -674,74 +689,6 @@ pub struct Placement {
     /// Tolerations of the shard pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
-}
-
-/// Observed state of a fleet, written only through the status subresource.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct ConnectionFleetStatus {
-    /// The `metadata.generation` this status describes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
-
-    /// Ready, Progressing, Degraded and SysctlsApplied, in the standard
-    /// Kubernetes condition shape.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conditions: Vec<Condition>,
-
-    /// The capacity plan for the current spec.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plan: Option<Plan>,
-
-    /// Shards the fleet should run.
-    #[serde(default)]
-    pub desired_shards: i32,
-
-    /// Shards whose pods are ready.
-    #[serde(default)]
-    pub ready_shards: i32,
-
-    /// Shards running the current pod template.
-    #[serde(default)]
-    pub updated_shards: i32,
-
-    /// Connections the shards hold now (from metrics; 0 until metrics are read).
-    #[serde(default)]
-    pub live_connections: i64,
-
-    /// The autoscaler's last decision.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub autoscaling: Option<AutoscalingStatus>,
-
-    /// The rebalancer's state.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rebalance: Option<RebalanceStatus>,
-}
-
-/// What the autoscaler decided and why.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct AutoscalingStatus {
-    /// Shards the autoscaler wants (bounded by the declared floor and shard.maxShards).
-    pub desired_shards: i32,
-    /// Why, in words (e.g. "live 1,200,000 > 80 % of 4 × 375,000").
-    pub reason: String,
-    /// When the shard count last changed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_scale_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-}
-
-/// Rebalancer state.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct RebalanceStatus {
-    /// Hottest shard's load over the mean, in percent (100 = balanced).
-    pub max_to_mean_percent: i32,
-    /// Connections shards were told to shed so far.
-    pub shed_ordered: i64,
-    /// When shards were last told to shed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_order_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
 /// The CRD as YAML, exactly as checked into `crds/connectionfleet.yaml`.

@@ -1,18 +1,30 @@
 //! c10m operator: plans, deploys and scales sharded fleets of connection
 //! servers (`ConnectionFleet`, group `c10m.dev`).
 //!
-//! The pipeline is visible in the modules: [`api`] (types and schema) →
-//! [`nodes`] (node profile) → [`model`] + [`sysctl`] (capacity plan, pure) →
-//! [`render`] (owned objects, pure) → [`reconcile`] (I/O) with [`status`]
-//! (conditions, pure).
+//! One reconcile is a pipeline (see [`reconcile`]): observe → plan →
+//! metrics loop → render → apply → report. The modules, from the leaves up
+//! (a module imports only modules listed before it):
+//!
+//! - [`names`], [`reason`]: the names the operator owns and its one
+//!   vocabulary of condition types, reasons and event actions (leaves);
+//! - [`api`]: the `ConnectionFleet` spec, its status (incl. the plan) and
+//!   typed sysctls: what the API server stores;
+//! - [`plan`]: the capacity model (pure);
+//! - [`render`]: the owned objects from a plan (pure);
+//! - [`autoscale`]: the metrics loop, observe (I/O) → decide (pure) → act (I/O);
+//! - [`status`]: the next status and the events a change announces (pure);
+//! - [`reconcile`]: the driver and the I/O of each step;
+//! - [`controller`]: watches, predicates, CRD install, run configuration;
+//! - [`telemetry`], [`table`]: the operator's own metrics; plan tables.
 
 pub mod api;
 pub mod autoscale;
-pub mod model;
-pub mod nodes;
+pub mod controller;
+pub mod names;
+pub mod plan;
+pub mod reason;
 pub mod reconcile;
 pub mod render;
 pub mod status;
-pub mod sysctl;
 pub mod table;
 pub mod telemetry;

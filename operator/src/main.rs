@@ -9,8 +9,9 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::Deserialize;
 
 use c10m_operator::api::{self, ConnectionFleet};
-use c10m_operator::model::{self, NodeFacts};
-use c10m_operator::{nodes, reconcile, table};
+use c10m_operator::plan::nodes;
+use c10m_operator::plan::{self, NodeFacts};
+use c10m_operator::{controller, table};
 
 #[derive(Parser)]
 #[command(
@@ -153,7 +154,7 @@ fn plan_offline(
         let node = nodes::resolve(&fleet.spec, observed).with_context(|| {
             format!("fleet {name} (offline: set spec.node.memory and spec.node.cpus, or pass --node-memory and --node-cpus)")
         })?;
-        let plan = model::plan(&fleet.spec, node).with_context(|| format!("fleet {name}"))?;
+        let plan = plan::plan(&fleet.spec, node).with_context(|| format!("fleet {name}"))?;
         out.push((name, fleet.spec.connections, plan));
     }
     match output {
@@ -280,14 +281,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let client = kube::Client::try_default()
                     .await
                     .context("cannot build a Kubernetes client")?;
-                let config = reconcile::RunConfig {
+                let config = controller::RunConfig {
                     namespace,
                     instance: std::env::var("POD_NAME").ok(),
                     manage_crd,
                     metrics_addr: (!metrics_addr.is_empty()).then_some(metrics_addr),
                     prometheus_url: prometheus_url.filter(|u| !u.is_empty()),
                 };
-                reconcile::run(client, config).await
+                controller::run(client, config).await
             })
         }
     }

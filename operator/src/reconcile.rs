@@ -1,35 +1,40 @@
-//! The controller: observe → plan → render → apply (server-side apply, one
-//! field manager) → status. All Kubernetes I/O of the operator lives here.
+//! One reconcile of one fleet, as its pipeline:
+//!
+//! ```text
+//! observe (client) → plan (pure) → metrics loop (client) → render (pure)
+//!   → apply (client) → report (client)
+//! ```
+//!
+//! [`reconcile`] is the driver, one line per step. The I/O of each step
+//! lives in its own module ([`observe`], [`apply`], [`report`]; the metrics
+//! loop in [`crate::autoscale`]); the pure steps are [`crate::plan`],
+//! [`crate::render`] and [`crate::status`]. Every path ends in
+//! [`report::report`], which writes the status and events once. Controller
+//! wiring (watches, CRD install, run configuration) is in
+//! [`crate::controller`].
+
+pub mod apply;
+pub mod observe;
+pub mod report;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::utils::{PredicateConfig, WatchStreamExt};
-use kube::runtime::watcher::{self, watcher};
 use kube::{Client, Resource, ResourceExt};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-use tracing::{info, warn};
+use tracing::warn;
 
-use crate::api::{ConnectionFleet, ConnectionFleetStatus};
+use crate::api::{ConnectionFleet, Plan};
 use crate::autoscale;
-use crate::model::{self, PlanError};
-use crate::nodes;
+use crate::names::FIELD_MANAGER;
+use crate::plan::{self, NodeFacts, PlanError};
+use crate::reason::Reason;
 use crate::render;
-use crate::status::{self, Outcome, Shards};
-
-/// The one field manager the operator applies with, for objects and status.
-pub const FIELD_MANAGER: &str = "c10m-operator";
 
 /// Longest retry backoff after repeated errors.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
@@ -37,26 +42,119 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 /// Periodic re-check of a healthy fleet (node profile drift, lost watches).
 pub const RESYNC: Duration = Duration::from_secs(300);
 
-/// Errors of one reconcile; all are retried with per-fleet exponential backoff.
+/// Longest message put in a condition or an event note (the Events API
+/// refuses notes over 1 kB).
+pub const MAX_MESSAGE_BYTES: usize = 900;
+
+/// A failed step of one reconcile: one variant per step that talks to the
+/// API server, each with its source. Every one is reported on the fleet
+/// (condition + Warning event, by [`report::report`]) and retried with
+/// per-fleet exponential backoff ([`error_policy`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A Kubernetes API call failed.
-    #[error("{action}: {}", concise(source))]
-    Kube {
-        /// What the operator was doing.
-        action: String,
+    /// Observe: reading the fleet or the objects it would own failed.
+    #[error("{what}: {}", concise(source))]
+    Observe {
+        /// What the operator was reading.
+        what: String,
         /// The API error.
         #[source]
         source: kube::Error,
     },
-    /// An error already recorded in the fleet's status and events.
-    #[error("{0}")]
-    Recorded(Box<Error>),
+    /// Observe: listing the nodes for the node profile failed.
+    #[error("list nodes: {}", concise(source))]
+    Nodes {
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Apply: reading or creating the fleet's admin Secret failed.
+    #[error("ensure Secret {name}: {}", concise(source))]
+    AdminSecret {
+        /// The Secret's name.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Apply: the fleet's admin Secret exists without a usable token.
+    #[error(
+        "Secret {name} has no usable `{}` key; delete the Secret to have a new token generated",
+        c10m_wire::admin::TOKEN_KEY
+    )]
+    AdminSecretInvalid {
+        /// The Secret's name.
+        name: String,
+    },
+    /// Metrics loop: reading or annotating the fleet's pods failed.
+    #[error("metrics loop: {}", concise(source))]
+    MetricsLoop {
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Apply: server-side apply of an owned object failed.
+    #[error("{what}: {}", concise(source))]
+    Apply {
+        /// What the operator was applying.
+        what: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Report: writing the fleet's status failed.
+    #[error("{what}: {}", concise(source))]
+    Report {
+        /// What the operator was writing.
+        what: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
 }
 
-/// Longest message put in a condition or an event note (the Events API
-/// refuses notes over 1 kB).
-pub const MAX_MESSAGE_BYTES: usize = 900;
+impl Error {
+    pub(crate) fn observe(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+        let what = what.into();
+        move |source| Error::Observe { what, source }
+    }
+
+    /// The condition reason this error is reported with.
+    pub fn reason(&self) -> Reason {
+        match self {
+            Error::Nodes { .. } => Reason::NodesUnavailable,
+            Error::Apply { .. } => Reason::ApplyFailed,
+            Error::Observe { .. }
+            | Error::AdminSecret { .. }
+            | Error::AdminSecretInvalid { .. }
+            | Error::MetricsLoop { .. }
+            | Error::Report { .. } => Reason::ReconcileFailed,
+        }
+    }
+
+    /// The step that failed, as the `result` label of
+    /// `c10m_operator_reconciliations_total`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Observe { .. } | Error::Nodes { .. } => "observe_error",
+            Error::AdminSecret { .. } | Error::AdminSecretInvalid { .. } | Error::Apply { .. } => {
+                "apply_error"
+            }
+            Error::MetricsLoop { .. } => "metrics_loop_error",
+            Error::Report { .. } => "report_error",
+        }
+    }
+
+    /// Backoff after the `n`th consecutive failure. A Secret without a
+    /// token waits for a person to fix it: the longest backoff at once.
+    /// Every API failure backs off exponentially ([`backoff`]).
+    pub fn retry_after(&self, n: u32) -> Duration {
+        match self {
+            Error::AdminSecretInvalid { .. } => MAX_BACKOFF,
+            _ => backoff(n),
+        }
+    }
+}
 
 /// An API error in one readable line: the API server's own message for an
 /// API error (kube's Display adds a debug dump), else the error's text; at
@@ -82,16 +180,16 @@ pub fn truncate(mut text: String) -> String {
     text
 }
 
-fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
-    let action = action.into();
-    move |source| Error::Kube { action, source }
+/// Backoff after the `n`th consecutive failure: 2^n s, at most [`MAX_BACKOFF`].
+pub fn backoff(n: u32) -> Duration {
+    Duration::from_secs(1u64 << n.min(16)).min(MAX_BACKOFF)
 }
 
 /// Shared state of the controller.
 pub struct Context {
     /// Kubernetes client.
     pub client: Client,
-    /// Event recorder (reporting controller `c10m-operator`).
+    /// Event recorder (reporting controller [`FIELD_MANAGER`]).
     pub recorder: Recorder,
     /// Consecutive failures per fleet, for backoff.
     failures: Mutex<HashMap<ObjectRef<ConnectionFleet>, u32>>,
@@ -102,9 +200,9 @@ pub struct Context {
     /// HTTP client for shard admin calls (shed orders).
     pub http: reqwest::Client,
     /// Per-fleet memory of the metrics loop.
-    loops: Mutex<HashMap<ObjectRef<ConnectionFleet>, autoscale::sync::Memory>>,
+    loops: Mutex<HashMap<ObjectRef<ConnectionFleet>, autoscale::Memory>>,
     /// Clock of the metrics loop.
-    started: std::time::Instant,
+    started: Instant,
 }
 
 impl Context {
@@ -127,631 +225,190 @@ impl Context {
             prometheus,
             http: reqwest::Client::new(),
             loops: Mutex::default(),
-            started: std::time::Instant::now(),
+            started: Instant::now(),
         }
     }
-}
 
-/// Backoff after the `n`th consecutive failure: 2^n s, at most [`MAX_BACKOFF`].
-pub fn backoff(n: u32) -> Duration {
-    Duration::from_secs(1u64 << n.min(16)).min(MAX_BACKOFF)
-}
-
-async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
-where
-    K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    api.patch(&name, &pp, &Patch::Apply(obj))
-        .await
-        .map_err(kube_err(format!("apply {} {name}", K::kind(&()))))
-}
-
-/// The first object the fleet would own (Deployment, Service,
-/// PodDisruptionBudget, admin Secret) that exists but is controlled by
-/// something else: a message naming it. The operator never adopts or
-/// rewrites such an object.
-async fn foreign_object(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    uid: &str,
-) -> Result<Option<String>, Error> {
-    async fn check<K>(api: Api<K>, name: &str, uid: &str) -> Result<Option<String>, Error>
-    where
-        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
-    {
-        let kind = K::kind(&());
-        let obj = api
-            .get_opt(name)
-            .await
-            .map_err(kube_err(format!("get {kind} {name}")))?;
-        let ours = |o: &K| {
-            o.meta()
-                .owner_references
-                .iter()
-                .flatten()
-                .any(|r| r.controller == Some(true) && r.uid == uid)
-        };
-        Ok(obj.filter(|o| !ours(o)).map(|_| {
-            format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
-        }))
+    /// Counts a finished reconcile of `fleet`: its metrics, and the
+    /// consecutive failures its backoff grows with (reset on success).
+    /// Returns the failures so far.
+    pub fn finished(&self, fleet: &ConnectionFleet, error: Option<&Error>, took: Duration) -> u32 {
+        self.metrics
+            .observe(error.map_or("ok", Error::metric_label), took);
+        let key = ObjectRef::from_obj(fleet);
+        let mut failures = self.failures.lock().unwrap();
+        match error {
+            None => {
+                failures.remove(&key);
+                0
+            }
+            Some(_) => {
+                let n = failures.entry(key).or_insert(0);
+                *n += 1;
+                *n
+            }
+        }
     }
-    let found = [
-        check(Api::<Deployment>::namespaced(client.clone(), ns), name, uid).await?,
-        check(Api::<Service>::namespaced(client.clone(), ns), name, uid).await?,
-        check(
-            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
-            name,
-            uid,
-        )
-        .await?,
-        check(
-            Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns),
-            &autoscale::actions::secret_name(name),
-            uid,
-        )
-        .await?,
-    ];
-    Ok(found.into_iter().flatten().next())
-}
 
-/// Node profile for the fleet: nodes matching its nodeSelector, then spec overrides.
-async fn node_facts(
-    client: &Client,
-    fleet: &ConnectionFleet,
-) -> Result<Result<model::NodeFacts, PlanError>, Error> {
-    let spec_complete = fleet
-        .spec
-        .node
-        .as_ref()
-        .is_some_and(|n| n.memory.is_some() && n.cpus.is_some());
-    let observed = if spec_complete {
-        None
-    } else {
-        let selector = fleet
-            .spec
-            .placement
-            .node_selector
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let list = Api::<Node>::all(client.clone())
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .map_err(kube_err("list nodes"))?;
-        nodes::smallest_allocatable(&list.items)
-    };
-    Ok(nodes::resolve(&fleet.spec, observed))
-}
-
-async fn publish(
-    ctx: &Context,
-    fleet: &ConnectionFleet,
-    type_: EventType,
-    reason: &str,
-    action: &str,
-    note: String,
-) {
-    let ev = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(truncate(note)),
-        action: action.into(),
-        secondary: None,
-    };
-    if let Err(e) = ctx.recorder.publish(&ev, &fleet.object_ref(&())).await {
-        warn!(error = %e, reason, "cannot publish event");
+    fn failures(&self, fleet: &ConnectionFleet) -> u32 {
+        let key = ObjectRef::from_obj(fleet);
+        self.failures
+            .lock()
+            .unwrap()
+            .get(&key)
+            .copied()
+            .unwrap_or(0)
     }
 }
 
-async fn write_status(
-    api: &Api<ConnectionFleet>,
-    name: &str,
-    status: &ConnectionFleetStatus,
-) -> Result<(), Error> {
-    let patch = serde_json::json!({
-        "apiVersion": "c10m.dev/v1alpha1",
-        "kind": "ConnectionFleet",
-        "status": status,
-    });
-    api.patch_status(
-        name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(kube_err(format!("update status of ConnectionFleet {name}")))?;
-    Ok(())
+/// How the pipeline ended, for [`report::report`].
+pub enum Ended {
+    /// The fleet cannot be reconciled as it stands (spec, node profile or
+    /// an object in the way): nothing changes until they do.
+    Rejected {
+        /// Condition reason.
+        reason: Reason,
+        /// What to change, naming the field or object.
+        message: String,
+    },
+    /// A step failed; retried with backoff.
+    Failed {
+        /// The plan, when one was made before the failure.
+        plan: Option<Plan>,
+        /// The metrics loop's outcome, when it ran.
+        looped: Option<autoscale::Outcome>,
+        /// The failure.
+        error: Error,
+    },
+    /// Every step ran.
+    Applied {
+        /// The plan.
+        plan: Plan,
+        /// The metrics loop's outcome (replicas, live load, events).
+        looped: autoscale::Outcome,
+        /// The fleet's Deployment as stored after the apply.
+        deployment: Deployment,
+    },
 }
 
-/// Records a failed API call on the fleet: a Warning event when the Degraded
-/// condition changes, and the status (best effort: the status write may be
-/// what is failing; the log always has the error).
-async fn report_failure(
-    ctx: &Context,
-    fleet: &ConnectionFleet,
-    api: &Api<ConnectionFleet>,
-    outcome: &Outcome,
-    now: &Time,
-) {
-    let prev = fleet.status.as_ref();
-    let next = status::next_status(
-        prev,
-        fleet.metadata.generation.unwrap_or(0),
-        fleet.spec.connections,
-        outcome,
-        now,
-    );
-    let degraded = status::condition(&next, status::DEGRADED);
-    if prev.and_then(|p| status::condition(p, status::DEGRADED)) != degraded
-        && let Some(c) = degraded
-    {
-        publish(
-            ctx,
-            fleet,
-            EventType::Warning,
-            &c.reason,
-            "Reconcile",
-            c.message.clone(),
-        )
-        .await;
-    }
-    if Some(&next) != prev
-        && let Err(e) = write_status(api, &fleet.name_any(), &next).await
-    {
-        warn!(fleet = %fleet.name_any(), error = %e, "cannot record the failure in status");
-    }
-}
-
-/// Records why the fleet cannot be reconciled as it stands (Degraded with
-/// `reason`, a Warning event when that changes) and waits: nothing changes
-/// until the spec, a node or the conflicting object does, so no retry loop.
-async fn reject(
-    ctx: &Context,
-    fleet: &ConnectionFleet,
-    api: &Api<ConnectionFleet>,
-    reason: &'static str,
-    message: String,
-    now: &Time,
-) -> Result<Action, Error> {
-    let prev = fleet.status.as_ref();
-    let outcome = Outcome::Rejected {
-        reason,
-        message: message.clone(),
-    };
-    let next = status::next_status(
-        prev,
-        fleet.metadata.generation.unwrap_or(0),
-        fleet.spec.connections,
-        &outcome,
-        now,
-    );
-    if prev.and_then(|p| status::condition(p, status::DEGRADED))
-        != status::condition(&next, status::DEGRADED)
-    {
-        warn!(fleet = %fleet.name_any(), reason, %message, "fleet rejected");
-        publish(ctx, fleet, EventType::Warning, reason, "Plan", message).await;
-    }
-    if Some(&next) != prev {
-        write_status(api, &fleet.name_any(), &next).await?;
-    }
-    Ok(Action::requeue(RESYNC))
-}
-
-/// One reconcile of one fleet. A failure not yet recorded becomes a
-/// `Degraded=True ReconcileFailed` condition and a Warning event, so that a
-/// missing RBAC verb or an API outage is visible on the fleet, not only in logs.
-pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let res = reconcile_fleet(fleet.clone(), ctx.clone()).await;
-    if let Err(e @ Error::Kube { .. }) = &res {
-        let outcome = Outcome::Failed {
+impl From<Error> for Ended {
+    fn from(error: Error) -> Self {
+        Ended::Failed {
             plan: None,
-            reason: "ReconcileFailed",
-            message: e.to_string(),
-        };
-        let api = Api::namespaced(ctx.client.clone(), &fleet.namespace().unwrap_or_default());
-        let now = Time(k8s_openapi::jiff::Timestamp::now());
-        report_failure(&ctx, &fleet, &api, &outcome, &now).await;
+            looped: None,
+            error,
+        }
     }
-    res
 }
 
-async fn reconcile_fleet(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = fleet.namespace().unwrap_or_default();
-    let name = fleet.name_any();
-    let fleets: Api<ConnectionFleet> = Api::namespaced(ctx.client.clone(), &ns);
-    // The cached fleet may predate our last status write (a reconcile
-    // triggered by an owned object can run before that write's watch event
-    // arrives): decide from the stored status, so a stale cache never flips
-    // a condition's transition time or repeats an event.
-    let fleet = match fleets
-        .get_opt(&name)
-        .await
-        .map_err(kube_err(format!("get ConnectionFleet {name}")))?
-    {
-        Some(latest) => Arc::new(latest),
-        None => return Ok(Action::await_change()),
-    };
-    let generation = fleet.metadata.generation.unwrap_or(0);
-    let prev = fleet.status.as_ref();
+/// One reconcile of one fleet: the pipeline, then its report.
+pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
     let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let fleet = match observe::fleet(&ctx.client, &fleet).await {
+        Ok(Some(latest)) => latest,
+        Ok(None) => return Ok(Action::await_change()),
+        Err(e) => return report::report(&ctx, &fleet, e.into(), &now).await,
+    };
+    let ended = pipeline(&ctx, &fleet).await.unwrap_or_else(|e| e);
+    report::report(&ctx, &fleet, ended, &now).await
+}
 
-    let node = match node_facts(&ctx.client, &fleet).await {
-        Ok(node) => node,
-        Err(e) => {
-            let outcome = Outcome::Failed {
-                plan: None,
-                reason: "NodesUnavailable",
-                message: e.to_string(),
-            };
-            report_failure(&ctx, &fleet, &fleets, &outcome, &now).await;
-            return Err(Error::Recorded(Box::new(e)));
-        }
-    };
-    let planned = match node {
-        Err(e) => Err(("NoNodeProfile", e)),
-        Ok(node) => model::plan(&fleet.spec, node).map_err(|e| match e {
-            PlanError::Invalid(_) => ("InvalidSpec", e),
-            PlanError::Infeasible(_) => ("PlanInfeasible", e),
-        }),
-    };
-    let plan = match planned {
-        Ok(plan) => plan,
-        Err((reason, e)) => {
-            return reject(&ctx, &fleet, &fleets, reason, e.to_string(), &now).await;
-        }
-    };
+/// observe → plan → metrics loop → render → apply; `Err` ends it early.
+async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended> {
+    let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
     let owner = fleet
         .controller_owner_ref(&())
         .expect("a fleet from the API server has a uid");
-    if let Some(conflict) = foreign_object(&ctx.client, &ns, &name, owner.uid.as_str()).await? {
-        return reject(&ctx, &fleet, &fleets, "ObjectConflict", conflict, &now).await;
-    }
-    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns);
-    let current = deployments
-        .get_opt(&name)
+    let node = observe::node_facts(&ctx.client, fleet).await?; // client required
+    let plan = plan_fleet(fleet, node)?; // no client required
+    let conflict = observe::foreign_object(&ctx.client, &ns, &name, &owner.uid).await?; // client required
+    reject_conflict(conflict)?; // no client required
+    let current = observe::current_replicas(&ctx.client, &ns, &name).await?; // client required
+    let failed = |error| failed(&plan, None, error);
+    let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone())
         .await
-        .map_err(kube_err(format!("get Deployment {name}")))?
-        .and_then(|d| d.spec.and_then(|s| s.replicas))
-        .unwrap_or(plan.shards);
-    let token = autoscale::actions::ensure_admin_secret(
-        &Api::namespaced(ctx.client.clone(), &ns),
-        &name,
-        owner.clone(),
-    )
-    .await
-    .map_err(kube_err(format!(
-        "ensure Secret {}",
-        autoscale::actions::secret_name(&name)
-    )))?;
-    let key = ObjectRef::from_obj(fleet.as_ref());
+        .map_err(failed)?; // client required
+    let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required
+    let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
+    let objects = render::render(fleet, &plan, owner, looped.replicas); // no client required
+    let deployment = apply::objects(&ctx.client, &ns, &objects).await; // client required
+    match deployment {
+        Ok(deployment) => Ok(Ended::Applied {
+            plan,
+            looped,
+            deployment,
+        }),
+        Err(error) => Err(self::failed(&plan, Some(looped), error)),
+    }
+}
+
+fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ended {
+    Ended::Failed {
+        plan: Some(plan.clone()),
+        looped,
+        error,
+    }
+}
+
+/// The plan step: a plan, or the rejection naming what to change.
+fn plan_fleet(fleet: &ConnectionFleet, node: Result<NodeFacts, PlanError>) -> Result<Plan, Ended> {
+    let rejected = |reason, e: PlanError| Ended::Rejected {
+        reason,
+        message: e.to_string(),
+    };
+    let node = node.map_err(|e| rejected(Reason::NoNodeProfile, e))?;
+    plan::plan(&fleet.spec, node).map_err(|e| match e {
+        PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
+        PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),
+    })
+}
+
+fn reject_conflict(conflict: Option<String>) -> Result<(), Ended> {
+    match conflict {
+        Some(message) => Err(Ended::Rejected {
+            reason: Reason::ObjectConflict,
+            message,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The metrics loop step, with the fleet's memory carried between syncs.
+async fn metrics_loop(
+    ctx: &Context,
+    fleet: &ConnectionFleet,
+    plan: &Plan,
+    current: Option<i32>,
+    token: &str,
+) -> Result<autoscale::Outcome, Error> {
+    let key = ObjectRef::from_obj(fleet);
+    let ns = fleet.namespace().unwrap_or_default();
     let mut memory = ctx.loops.lock().unwrap().remove(&key).unwrap_or_default();
-    let looped = autoscale::sync::sync(
-        autoscale::sync::Inputs {
-            fleet: &fleet,
-            plan: &plan,
-            current,
+    let wall = Time(k8s_openapi::jiff::Timestamp::now());
+    let looped = autoscale::sync(
+        autoscale::Inputs {
+            fleet,
+            plan,
+            current: current.unwrap_or(plan.shards),
             reader: ctx.prometheus.as_ref(),
-            pods: &Api::namespaced(ctx.client.clone(), &ns),
-            token: &token,
+            pods: &kube::Api::namespaced(ctx.client.clone(), &ns),
+            token,
             http: &ctx.http,
             now: ctx.started.elapsed().as_secs_f64(),
-            wall: &now,
+            wall: &wall,
         },
         &mut memory,
     )
     .await;
     ctx.loops.lock().unwrap().insert(key, memory);
-    let looped = looped.map_err(kube_err("metrics loop"))?;
-
-    let objects = render::render(&fleet, &plan, owner, looped.replicas);
-    let applied = async {
-        let dep = apply(&deployments, &objects.deployment).await?;
-        apply(
-            &Api::<Service>::namespaced(ctx.client.clone(), &ns),
-            &objects.service,
-        )
-        .await?;
-        apply(
-            &Api::<PodDisruptionBudget>::namespaced(ctx.client.clone(), &ns),
-            &objects.pdb,
-        )
-        .await?;
-        Ok::<_, Error>(dep)
-    }
-    .await;
-
-    let outcome = match &applied {
-        Ok(dep) => {
-            let st = dep.status.clone().unwrap_or_default();
-            Outcome::Applied {
-                plan: plan.clone(),
-                shards: Shards {
-                    desired: looped.replicas,
-                    ready: st.ready_replicas.unwrap_or(0),
-                    updated: st.updated_replicas.unwrap_or(0),
-                    total: st.replicas.unwrap_or(0),
-                    observed: st.observed_generation >= dep.metadata.generation,
-                },
-            }
-        }
-        Err(e) => Outcome::Failed {
-            plan: Some(plan.clone()),
-            reason: "ApplyFailed",
-            message: e.to_string(),
-        },
-    };
-    let mut next = status::next_status(prev, generation, fleet.spec.connections, &outcome, &now);
-    status::apply_loop(&mut next, &looped, generation, &now);
-    let metrics_before = prev
-        .and_then(|p| status::condition(p, status::METRICS_AVAILABLE))
-        .map(|c| c.status.clone());
-    if let Some(c) = status::condition(&next, status::METRICS_AVAILABLE)
-        && metrics_before.as_ref() != Some(&c.status)
-    {
-        let type_ = if c.status == "True" {
-            EventType::Normal
-        } else {
-            EventType::Warning
-        };
-        publish(
-            &ctx,
-            &fleet,
-            type_,
-            &c.reason.clone(),
-            "ReadMetrics",
-            c.message.clone(),
-        )
-        .await;
-    }
-    for (warning, reason, note) in &looped.events {
-        let type_ = if *warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        };
-        info!(fleet = %name, namespace = %ns, reason, note = %note, "metrics loop");
-        publish(&ctx, &fleet, type_, reason, "Autoscale", note.clone()).await;
-    }
-
-    // A plan that cannot hold the declared connections (maxShards) is a Warning once.
-    if applied.is_ok()
-        && let Some(d) = status::condition(&next, status::DEGRADED).filter(|d| d.status == "True")
-        && prev
-            .and_then(|p| status::condition(p, status::DEGRADED))
-            .map(|c| (&c.status, &c.reason))
-            != Some((&d.status, &d.reason))
-    {
-        publish(
-            &ctx,
-            &fleet,
-            EventType::Warning,
-            &d.reason.clone(),
-            "Plan",
-            d.message.clone(),
-        )
-        .await;
-    }
-    if prev.and_then(|p| p.plan.as_ref()) != Some(&plan) {
-        let note = format!(
-            "{} shards × {} connections ({} per node, {} nodes), limited by {}",
-            plan.shards,
-            plan.connections_per_shard,
-            plan.shards_per_node,
-            plan.nodes,
-            plan.limiting_factor.as_str()
-        );
-        info!(fleet = %name, namespace = %ns, shards = plan.shards, limit = plan.limiting_factor.as_str(), "plan changed");
-        publish(&ctx, &fleet, EventType::Normal, "PlanChanged", "Plan", note).await;
-    }
-    let sysctl_cond_changed = prev
-        .and_then(|p| status::condition(p, status::SYSCTLS_APPLIED))
-        .map(|c| &c.status)
-        != status::condition(&next, status::SYSCTLS_APPLIED).map(|c| &c.status);
-    if sysctl_cond_changed && !plan.sysctls_not_applied.is_empty() {
-        let msg = status::condition(&next, status::SYSCTLS_APPLIED)
-            .map(|c| c.message.clone())
-            .unwrap_or_default();
-        publish(
-            &ctx,
-            &fleet,
-            EventType::Warning,
-            "SysctlsNotApplied",
-            "Plan",
-            msg,
-        )
-        .await;
-    }
-    if applied.is_err() {
-        report_failure(&ctx, &fleet, &fleets, &outcome, &now).await;
-    } else if Some(&next) != prev {
-        write_status(&fleets, &name, &next).await?;
-    }
-    applied.map_err(|e| Error::Recorded(Box::new(e)))?;
-    let ready = matches!(outcome, Outcome::Applied { shards, .. } if shards.rolled_out());
-    // Deployment status changes arrive through the owned-object watch; the
-    // short requeue only covers a rollout the watch might not report.
-    let wait = if ready {
-        RESYNC
-    } else {
-        Duration::from_secs(15)
-    };
-    Ok(Action::requeue(looped.resync.map_or(wait, |r| r.min(wait))))
+    looped.map_err(|source| Error::MetricsLoop { source })
 }
 
-/// Requeue after an error with per-fleet exponential backoff.
+/// Requeue after an error, by its kind and the fleet's consecutive
+/// failures (the failure itself was already reported on the fleet).
 pub fn error_policy(fleet: Arc<ConnectionFleet>, error: &Error, ctx: Arc<Context>) -> Action {
-    let key = ObjectRef::from_obj(fleet.as_ref());
-    let n = {
-        let mut f = ctx.failures.lock().unwrap();
-        let n = f.entry(key).or_insert(0);
-        *n += 1;
-        *n
-    };
-    let wait = backoff(n);
-    warn!(fleet = %fleet.name_any(), error = %error, failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
+    let n = ctx.failures(&fleet).max(1);
+    let wait = error.retry_after(n);
+    warn!(fleet = %fleet.name_any(), error = %error, step = error.metric_label(), failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
     Action::requeue(wait)
-}
-
-/// How `c10m-operator run` runs.
-#[derive(Clone, Debug, Default)]
-pub struct RunConfig {
-    /// Watch only this namespace (`None`: all namespaces).
-    pub namespace: Option<String>,
-    /// This replica's name in events (the pod name).
-    pub instance: Option<String>,
-    /// Server-side apply the ConnectionFleet CRD at start-up, so upgrading
-    /// the operator upgrades its schema (Helm never upgrades `crds/`).
-    pub manage_crd: bool,
-    /// Address of `/metrics` and `/healthz` (`None`: not served).
-    pub metrics_addr: Option<String>,
-    /// Prometheus the metrics loop reads (`None`: autoscaling and rebalancing hold).
-    pub prometheus_url: Option<String>,
-}
-
-/// Server-side applies the ConnectionFleet CRD (field manager
-/// [`FIELD_MANAGER`]) and waits up to 60 s until it is Established.
-pub async fn apply_crd(client: &Client) -> anyhow::Result<()> {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    use kube::CustomResourceExt;
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = ConnectionFleet::crd();
-    let name = crd.metadata.name.clone().unwrap_or_default();
-    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&crd))
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot apply CRD {name} (start with --manage-crd=false where CRDs are managed elsewhere): {e}"))?;
-    for _ in 0..120 {
-        let got = api
-            .get(&name)
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot read CRD {name}: {e}"))?;
-        let established = got.status.and_then(|s| s.conditions).is_some_and(|cs| {
-            cs.iter()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-        });
-        if established {
-            info!(crd = %name, "CRD applied and established");
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    anyhow::bail!("CRD {name} not Established after 60 s")
-}
-
-/// Hash of what a node contributes to plans: its labels and allocatable.
-fn node_profile_hash(node: &Node) -> Option<u64> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    node.metadata.labels.hash(&mut h);
-    node.status
-        .as_ref()
-        .and_then(|s| s.allocatable.as_ref())
-        .map(|a| {
-            a.iter()
-                .map(|(k, v)| (k.clone(), v.0.clone()))
-                .collect::<Vec<_>>()
-        })
-        .hash(&mut h);
-    Some(h.finish())
-}
-
-/// Runs the controller until SIGTERM/SIGINT.
-pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
-    let metrics = Arc::new(crate::telemetry::Metrics::default());
-    if let Some(addr) = config.metrics_addr.clone() {
-        let m = metrics.clone();
-        tokio::spawn(async move {
-            if let Err(e) = crate::telemetry::serve(addr, m).await {
-                tracing::error!(error = %e, "metrics endpoint stopped");
-            }
-        });
-    }
-    if config.manage_crd {
-        apply_crd(&client).await?;
-    }
-    let namespace = config.namespace;
-    let instance = config.instance;
-    let (fleets, deps, svcs, pdbs) = match &namespace {
-        Some(ns) => (
-            Api::<ConnectionFleet>::namespaced(client.clone(), ns),
-            Api::<Deployment>::namespaced(client.clone(), ns),
-            Api::<Service>::namespaced(client.clone(), ns),
-            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
-        ),
-        None => (
-            Api::all(client.clone()),
-            Api::all(client.clone()),
-            Api::all(client.clone()),
-            Api::all(client.clone()),
-        ),
-    };
-    // Fail fast with a clear message when the CRD is missing or RBAC forbids reading fleets.
-    fleets
-        .list(&ListParams::default().limit(1))
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot list connectionfleets.c10m.dev (is the CRD applied and RBAC granted?): {e}"
-            )
-        })?;
-
-    let prometheus = config
-        .prometheus_url
-        .as_deref()
-        .map(autoscale::metrics::Reader::new)
-        .transpose()?;
-    let ctx = Arc::new(Context::new(client, instance, metrics, prometheus));
-    let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=c10m-operator");
-    info!(
-        namespace = namespace.as_deref().unwrap_or("<all>"),
-        "c10m-operator controller starting"
-    );
-    let controller = Controller::new(fleets, watcher::Config::default())
-        .owns(deps, owned.clone())
-        .owns(svcs, owned.clone())
-        .owns(pdbs, owned);
-    // Node profiles come from nodes' labels and allocatable: re-plan every
-    // fleet when those change (not on the frequent node status heartbeats).
-    let store = controller.store();
-    let node_profiles = watcher(
-        Api::<Node>::all(ctx.client.clone()),
-        watcher::Config::default(),
-    )
-    .applied_objects()
-    .predicate_filter(node_profile_hash, PredicateConfig::default());
-    controller
-        .watches_stream(node_profiles, move |_node| {
-            store
-                .state()
-                .iter()
-                .map(|f| ObjectRef::from_obj(f.as_ref()))
-                .collect::<Vec<_>>()
-        })
-        .shutdown_on_signal()
-        .run(
-            |fleet, ctx: Arc<Context>| async move {
-                let key = ObjectRef::from_obj(fleet.as_ref());
-                let started = std::time::Instant::now();
-                let res = reconcile(fleet, ctx.clone()).await;
-                ctx.metrics.observe(res.is_ok(), started.elapsed());
-                if res.is_ok() {
-                    ctx.failures.lock().unwrap().remove(&key);
-                }
-                res
-            },
-            error_policy,
-            ctx,
-        )
-        .for_each(|res| async move {
-            match res {
-                Ok((obj, _)) => tracing::debug!(fleet = %obj.name, "reconciled"),
-                Err(e) => tracing::debug!(error = %e, "reconcile error"),
-            }
-        })
-        .await;
-    info!("c10m-operator controller stopped");
-    Ok(())
 }

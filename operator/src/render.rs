@@ -1,5 +1,6 @@
 //! Renders a fleet's Deployment, Service and PodDisruptionBudget from its
-//! plan (pure). The objects are complete server-side-apply intents: every
+//! plan (pure). Env names, admin paths and the init tool's flags come from
+//! the operator↔server contract, [`c10m_wire`]. The objects are complete server-side-apply intents: every
 //! field the operator owns is set here, and nothing else.
 
 use std::collections::BTreeMap;
@@ -11,29 +12,21 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
     HostPathVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
     ResourceRequirements, SecretKeySelector, SecurityContext, Service, ServicePort, ServiceSpec,
-    Sysctl, TopologySpreadConstraint, Volume, VolumeMount,
+    TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use crate::api::{BackendModel, ConnectionFleet, DEFAULT_SERVER_IMAGE, SysctlMode};
-use crate::model::{self, Plan};
-use crate::sysctl::{self, Scope};
+use c10m_wire::{admin, env as wire_env, sysctl_tool};
 
-/// Label holding the fleet name on every owned object and pod.
-pub const FLEET_LABEL: &str = "c10m.dev/fleet";
-
-/// Name of the privileged init container that applies sysctls.
-pub const SYSCTL_INIT_CONTAINER: &str = "sysctls";
-
-/// Name of the server container.
-pub const SERVER_CONTAINER: &str = "server";
-
-/// Where the init container sees the host's /proc (to enter the host network
-/// namespace through /host/proc/1/ns/net for node-level sysctls).
-pub const HOST_PROC_MOUNT: &str = "/host/proc";
+use crate::api::sysctl::Scope;
+use crate::api::{BackendModel, ConnectionFleet, DEFAULT_SERVER_IMAGE, Plan, SysctlMode};
+use crate::names::{
+    CONNECTION_PORT_NAME, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels, secret_name, selector,
+};
+use crate::plan;
 
 /// Fraction of the container memory limit given to GOMEMLIMIT for the
 /// goroutine model: 90 %, leaving room for non-heap memory (Go's GC guide
@@ -58,23 +51,6 @@ pub struct Rendered {
     pub service: Service,
     /// At most one shard disrupted at a time.
     pub pdb: PodDisruptionBudget,
-}
-
-/// Labels on every object and pod of the fleet `name`.
-pub fn labels(name: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        ("app.kubernetes.io/name".into(), "c10m-server".into()),
-        ("app.kubernetes.io/instance".into(), name.into()),
-        (
-            "app.kubernetes.io/managed-by".into(),
-            "c10m-operator".into(),
-        ),
-        (FLEET_LABEL.into(), name.into()),
-    ])
-}
-
-fn selector(name: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([(FLEET_LABEL.into(), name.into())])
 }
 
 fn env(name: &str, value: impl ToString) -> EnvVar {
@@ -105,33 +81,27 @@ pub fn render(
     let server = &spec.server;
 
     let mut env_vars = vec![
-        env("C10M_PORT", server.port),
-        env("C10M_METRICS_PORT", server.metrics_port),
-        env("C10M_WORKERS", plan.workers),
-        env("C10M_MAX_CONNECTIONS", plan.shard_connection_limit),
-        env("C10M_NOFILE", plan.nofile),
-        env("C10M_BACKLOG", plan.listen_backlog),
-        env(
-            "C10M_PROTOCOL",
-            serde_json::to_value(spec.backend.protocol)
-                .unwrap()
-                .as_str()
-                .unwrap_or("echo"),
-        ),
+        env(wire_env::PORT, server.port),
+        env(wire_env::METRICS_PORT, server.metrics_port),
+        env(wire_env::WORKERS, plan.workers),
+        env(wire_env::MAX_CONNECTIONS, plan.shard_connection_limit),
+        env(wire_env::NOFILE, plan.nofile),
+        env(wire_env::BACKLOG, plan.listen_backlog),
+        env(wire_env::PROTOCOL, spec.backend.protocol.wire_name()),
     ];
     // Drain: close at the fleet's rate on SIGTERM, finishing before the grace period ends.
     let grace = drain_seconds(plan.shard_connection_limit, spec.drain.rate) + DRAIN_SLACK_SECONDS;
-    env_vars.push(env("C10M_DRAIN_RATE", spec.drain.rate));
+    env_vars.push(env(wire_env::DRAIN_RATE, spec.drain.rate));
     env_vars.push(env(
-        "C10M_DRAIN_TIMEOUT_SECS",
+        wire_env::DRAIN_TIMEOUT_SECS,
         grace - DRAIN_SLACK_SECONDS / 2,
     ));
     env_vars.push(EnvVar {
-        name: "C10M_ADMIN_TOKEN".into(),
+        name: wire_env::ADMIN_TOKEN.into(),
         value_from: Some(EnvVarSource {
             secret_key_ref: Some(SecretKeySelector {
-                name: crate::autoscale::actions::secret_name(&name),
-                key: crate::autoscale::actions::TOKEN_KEY.into(),
+                name: secret_name(&name),
+                key: admin::TOKEN_KEY.into(),
                 optional: Some(false),
             }),
             ..Default::default()
@@ -154,8 +124,8 @@ pub fn render(
     ]);
     let health = |initial: i32| Probe {
         http_get: Some(HTTPGetAction {
-            path: Some("/healthz".into()),
-            port: IntOrString::String("metrics".into()),
+            path: Some(admin::HEALTHZ_PATH.into()),
+            port: IntOrString::String(admin::PORT_NAME.into()),
             ..Default::default()
         }),
         initial_delay_seconds: Some(initial),
@@ -169,13 +139,13 @@ pub fn render(
         env: Some(env_vars),
         ports: Some(vec![
             ContainerPort {
-                name: Some("conn".into()),
+                name: Some(CONNECTION_PORT_NAME.into()),
                 container_port: server.port,
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },
             ContainerPort {
-                name: Some("metrics".into()),
+                name: Some(admin::PORT_NAME.into()),
                 container_port: server.metrics_port,
                 protocol: Some("TCP".into()),
                 ..Default::default()
@@ -198,7 +168,7 @@ pub fn render(
             read_only_root_filesystem: Some(true),
             capabilities: Some(Capabilities {
                 drop: Some(vec!["ALL".into()]),
-                add: model::raises_own_nofile(spec).then(|| vec!["SYS_RESOURCE".into()]),
+                add: plan::raises_own_nofile(spec).then(|| vec!["SYS_RESOURCE".into()]),
             }),
             ..Default::default()
         }),
@@ -222,9 +192,9 @@ pub fn render(
                 sysctls: Some(
                     plan.sysctls
                         .iter()
-                        .map(|(n, v)| Sysctl {
-                            name: n.clone(),
-                            value: v.clone(),
+                        .map(|(n, v)| k8s_openapi::api::core::v1::Sysctl {
+                            name: n.name().into(),
+                            value: v.to_string(),
                         })
                         .collect(),
                 ),
@@ -270,7 +240,10 @@ pub fn render(
         "prometheus.io/port".to_string(),
         server.metrics_port.to_string(),
     );
-    pod_annotations.insert("prometheus.io/path".to_string(), "/metrics".to_string());
+    pod_annotations.insert(
+        "prometheus.io/path".to_string(),
+        admin::METRICS_PATH.to_string(),
+    );
 
     let deployment = Deployment {
         metadata: meta.clone(),
@@ -308,9 +281,9 @@ pub fn render(
             type_: Some(server.service_type.as_str().into()),
             selector: Some(selector(&name)),
             ports: Some(vec![ServicePort {
-                name: Some("conn".into()),
+                name: Some(CONNECTION_PORT_NAME.into()),
                 port: server.port,
-                target_port: Some(IntOrString::String("conn".into())),
+                target_port: Some(IntOrString::String(CONNECTION_PORT_NAME.into())),
                 protocol: Some("TCP".into()),
                 ..Default::default()
             }]),
@@ -343,13 +316,17 @@ pub fn render(
 /// sysctls (inside the pod's netns) and `--raise-node` for node-level ones
 /// (entered through the host's /proc; raise-only, never lowers).
 fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
-    let mut args = vec![format!("--host-proc={HOST_PROC_MOUNT}")];
-    for (name, value) in &plan.sysctls {
-        let flag = match sysctl::scope(name) {
-            Some(Scope::Node) => "--raise-node",
-            _ => "--set",
+    let mut args = vec![format!(
+        "{}={}",
+        sysctl_tool::HOST_PROC_FLAG,
+        sysctl_tool::HOST_PROC_MOUNT
+    )];
+    for (sysctl, value) in &plan.sysctls {
+        let flag = match sysctl.scope() {
+            Scope::Node => sysctl_tool::RAISE_NODE_FLAG,
+            Scope::Namespaced => sysctl_tool::SET_FLAG,
         };
-        args.push(format!("{flag}={name}={value}"));
+        args.push(sysctl_tool::arg(flag, sysctl.name(), &value.to_string()));
     }
     let small: BTreeMap<String, Quantity> = BTreeMap::from([
         ("cpu".into(), Quantity("100m".into())),
@@ -358,7 +335,7 @@ fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
     Container {
         name: SYSCTL_INIT_CONTAINER.into(),
         image: Some(image.into()),
-        command: Some(vec!["c10m-sysctl".into()]),
+        command: Some(vec![sysctl_tool::BINARY.into()]),
         args: Some(args),
         // requests = limits keeps the pod in the Guaranteed QoS class.
         resources: Some(ResourceRequirements {
@@ -374,7 +351,7 @@ fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
         }),
         volume_mounts: Some(vec![VolumeMount {
             name: "host-proc".into(),
-            mount_path: HOST_PROC_MOUNT.into(),
+            mount_path: sysctl_tool::HOST_PROC_MOUNT.into(),
             read_only: Some(true),
             ..Default::default()
         }]),

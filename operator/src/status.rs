@@ -1,23 +1,16 @@
 //! Derives a fleet's next status (conditions, shard counts, plan) from what a
-//! reconcile observed (pure). Conditions use the standard Kubernetes shape;
+//! reconcile observed, and the events that change announces (pure). Conditions use the standard Kubernetes shape;
 //! `lastTransitionTime` moves only when a condition's status flips, so an
 //! unchanged fleet gets a byte-identical status and no write.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use crate::api::ConnectionFleetStatus;
-use crate::model::{LimitingFactor, Plan};
-
-/// Condition types.
-pub const READY: &str = "Ready";
-/// Condition type: a rollout or scale is under way.
-pub const PROGRESSING: &str = "Progressing";
-/// Condition type: the fleet cannot be what its spec asks.
-pub const DEGRADED: &str = "Degraded";
-/// Condition type: the metrics loop can read trustworthy live metrics.
-pub const METRICS_AVAILABLE: &str = "MetricsAvailable";
-/// Condition type: the plan's sysctls are all applied.
-pub const SYSCTLS_APPLIED: &str = "SysctlsApplied";
+use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
+use crate::reason::ConditionType::{
+    self, Degraded as DEGRADED, MetricsAvailable as METRICS_AVAILABLE, Progressing as PROGRESSING,
+    Ready as READY, SysctlsApplied as SYSCTLS_APPLIED,
+};
+use crate::reason::{Announcement, EventAction, Reason};
 
 /// Shard counts read from the fleet's Deployment.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -49,8 +42,8 @@ impl Shards {
 pub enum Outcome {
     /// The spec cannot be planned; `reason` is a PascalCase condition reason.
     Rejected {
-        /// Condition reason (InvalidSpec, NoNodeProfile, PlanInfeasible).
-        reason: &'static str,
+        /// Condition reason (InvalidSpec, NoNodeProfile, PlanInfeasible, ObjectConflict).
+        reason: Reason,
         /// Human-readable message naming the field to fix.
         message: String,
     },
@@ -65,8 +58,8 @@ pub enum Outcome {
     Failed {
         /// The plan, when one was made before the failure.
         plan: Option<Plan>,
-        /// Condition reason (NodesUnavailable, ApplyFailed).
-        reason: &'static str,
+        /// Condition reason (NodesUnavailable, ApplyFailed, ReconcileFailed).
+        reason: Reason,
         /// The API server's error.
         message: String,
     },
@@ -82,7 +75,7 @@ pub fn next_status(
 ) -> ConnectionFleetStatus {
     let mut status = prev.cloned().unwrap_or_default();
     status.observed_generation = Some(generation);
-    let mut set = |type_: &str, ok: bool, reason: &str, message: String| {
+    let mut set = |type_: ConditionType, ok: bool, reason: Reason, message: String| {
         set_condition(
             &mut status.conditions,
             type_,
@@ -95,21 +88,21 @@ pub fn next_status(
     };
     match outcome {
         Outcome::Rejected { reason, message } => {
-            set(READY, false, reason, message.clone());
+            set(READY, false, *reason, message.clone());
             set(
                 PROGRESSING,
                 false,
-                reason,
+                *reason,
                 "waiting for a spec change".into(),
             );
-            set(DEGRADED, true, reason, message.clone());
+            set(DEGRADED, true, *reason, message.clone());
         }
         Outcome::Failed {
             reason, message, ..
         } => {
-            set(READY, false, reason, message.clone());
-            set(PROGRESSING, false, reason, "retrying with backoff".into());
-            set(DEGRADED, true, reason, message.clone());
+            set(READY, false, *reason, message.clone());
+            set(PROGRESSING, false, *reason, "retrying with backoff".into());
+            set(DEGRADED, true, *reason, message.clone());
         }
         Outcome::Applied { plan, shards } => {
             let done = shards.rolled_out();
@@ -121,22 +114,22 @@ pub fn next_status(
                 set(
                     READY,
                     true,
-                    "ShardsReady",
+                    Reason::ShardsReady,
                     format!(
                         "{counts}; the fleet holds up to {} connections",
                         shards.desired as i64 * plan.sized_connections_per_shard
                     ),
                 );
-                set(PROGRESSING, false, "RolloutComplete", counts);
+                set(PROGRESSING, false, Reason::RolloutComplete, counts);
             } else {
-                set(READY, false, "ShardsNotReady", counts.clone());
-                set(PROGRESSING, true, "RollingOut", counts);
+                set(READY, false, Reason::ShardsNotReady, counts.clone());
+                set(PROGRESSING, true, Reason::RollingOut, counts);
             }
             if plan.limiting_factor == LimitingFactor::MaxShards {
                 set(
                     DEGRADED,
                     true,
-                    "MaxShardsReached",
+                    Reason::MaxShardsReached,
                     format!(
                         "spec.shard.maxShards caps the fleet at {} shards holding {} of {} declared connections",
                         plan.shards, plan.capacity, declared
@@ -146,7 +139,7 @@ pub fn next_status(
                 set(
                     DEGRADED,
                     false,
-                    "AsPlanned",
+                    Reason::AsPlanned,
                     format!("the plan holds {} connections", plan.capacity),
                 );
             }
@@ -165,7 +158,7 @@ pub fn next_status(
                 &mut status.conditions,
                 SYSCTLS_APPLIED,
                 true,
-                "AllApplied",
+                Reason::AllApplied,
                 format!("{} sysctls applied", plan.sysctls.len()),
                 generation,
                 now,
@@ -175,10 +168,14 @@ pub fn next_status(
                 &mut status.conditions,
                 SYSCTLS_APPLIED,
                 false,
-                "NotAllowedInMode",
+                Reason::NotAllowedInMode,
                 format!(
                     "not applied under spec.sysctls.mode: {}; listen backlog capped at {}",
-                    plan.sysctls_not_applied.join(", "),
+                    plan.sysctls_not_applied
+                        .iter()
+                        .map(|s| s.name())
+                        .collect::<Vec<_>>()
+                        .join(", "),
                     plan.listen_backlog
                 ),
                 generation,
@@ -215,36 +212,126 @@ pub fn apply_loop(
             &mut status.conditions,
             METRICS_AVAILABLE,
             *ok,
-            reason,
+            *reason,
             message.clone(),
             generation,
             now,
         ),
-        None => status.conditions.retain(|c| c.type_ != METRICS_AVAILABLE),
+        None => status
+            .conditions
+            .retain(|c| c.type_ != METRICS_AVAILABLE.as_str()),
     }
+}
+
+/// The events a change from `prev` to `next` announces, after a reconcile
+/// that ended in `outcome` (with the metrics loop's own `loop_events`):
+///
+/// - `MetricsAvailable` flipping: Normal when True, else Warning;
+/// - the metrics loop's events, as decided;
+/// - `Degraded=True` newly set: a Warning. For a rejected spec or a failed
+///   API call any change of the condition counts (a new error is news); for
+///   an applied plan (maxShards) only a change of status or reason, so a
+///   changed connection count does not repeat it;
+/// - a new plan: `PlanChanged`;
+/// - `SysctlsApplied` flipping while sysctls are left out: `SysctlsNotApplied`.
+///
+/// An unchanged fleet announces nothing.
+pub fn announcements(
+    prev: Option<&ConnectionFleetStatus>,
+    next: &ConnectionFleetStatus,
+    outcome: &Outcome,
+    loop_events: &[Announcement],
+) -> Vec<Announcement> {
+    let before = |t: ConditionType| prev.and_then(|p| condition(p, t));
+    let reason_of = |c: &Condition| Reason::parse(&c.reason);
+    let mut out = Vec::new();
+
+    if let Some(c) = condition(next, METRICS_AVAILABLE)
+        && before(METRICS_AVAILABLE).map(|p| &p.status) != Some(&c.status)
+        && let Some(reason) = reason_of(c)
+    {
+        out.push(Announcement {
+            warning: c.status != "True",
+            reason,
+            action: EventAction::ReadMetrics,
+            note: c.message.clone(),
+        });
+    }
+    out.extend(loop_events.iter().cloned());
+
+    if let Some(d) = condition(next, DEGRADED).filter(|d| d.status == "True")
+        && let Some(reason) = reason_of(d)
+    {
+        let (changed, action) = match outcome {
+            Outcome::Applied { .. } => (
+                before(DEGRADED).map(|p| (&p.status, &p.reason)) != Some((&d.status, &d.reason)),
+                EventAction::Plan,
+            ),
+            Outcome::Rejected { .. } => (before(DEGRADED) != Some(d), EventAction::Plan),
+            Outcome::Failed { .. } => (before(DEGRADED) != Some(d), EventAction::Reconcile),
+        };
+        if changed {
+            out.push(Announcement::warning(reason, action, d.message.clone()));
+        }
+    }
+
+    let plan = match outcome {
+        Outcome::Applied { plan, .. }
+        | Outcome::Failed {
+            plan: Some(plan), ..
+        } => Some(plan),
+        _ => None,
+    };
+    if let Some(plan) = plan {
+        if prev.and_then(|p| p.plan.as_ref()) != Some(plan) {
+            out.push(Announcement::normal(
+                Reason::PlanChanged,
+                EventAction::Plan,
+                format!(
+                    "{} shards × {} connections ({} per node, {} nodes), limited by {}",
+                    plan.shards,
+                    plan.connections_per_shard,
+                    plan.shards_per_node,
+                    plan.nodes,
+                    plan.limiting_factor.as_str()
+                ),
+            ));
+        }
+        if let Some(c) = condition(next, SYSCTLS_APPLIED)
+            && before(SYSCTLS_APPLIED).map(|p| &p.status) != Some(&c.status)
+            && !plan.sysctls_not_applied.is_empty()
+        {
+            out.push(Announcement::warning(
+                Reason::SysctlsNotApplied,
+                EventAction::Plan,
+                c.message.clone(),
+            ));
+        }
+    }
+    out
 }
 
 /// Sets condition `type_` in `conditions`, keeping its lastTransitionTime
 /// unless its status flips.
 pub fn set_condition(
     conditions: &mut Vec<Condition>,
-    type_: &str,
+    type_: ConditionType,
     ok: bool,
-    reason: &str,
+    reason: Reason,
     message: String,
     generation: i64,
     now: &Time,
 ) {
     let status = if ok { "True" } else { "False" }.to_string();
     let new = |t: Time| Condition {
-        type_: type_.into(),
+        type_: type_.as_str().into(),
         status: status.clone(),
-        reason: reason.into(),
+        reason: reason.as_str().into(),
         message: message.clone(),
         observed_generation: Some(generation),
         last_transition_time: t,
     };
-    match conditions.iter_mut().find(|c| c.type_ == type_) {
+    match conditions.iter_mut().find(|c| c.type_ == type_.as_str()) {
         Some(c) => {
             let t = if c.status == status {
                 c.last_transition_time.clone()
@@ -258,15 +345,15 @@ pub fn set_condition(
 }
 
 /// The condition `type_`, if present.
-pub fn condition<'a>(status: &'a ConnectionFleetStatus, type_: &str) -> Option<&'a Condition> {
-    status.conditions.iter().find(|c| c.type_ == type_)
+pub fn condition(status: &ConnectionFleetStatus, type_: ConditionType) -> Option<&Condition> {
+    status.conditions.iter().find(|c| c.type_ == type_.as_str())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::ConnectionFleetSpec;
-    use crate::model::{NodeFacts, plan};
+    use crate::plan::{NodeFacts, plan};
 
     fn t(s: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
@@ -345,7 +432,7 @@ mod tests {
         };
         let s1 = next_status(None, 1, 1, &done, &t(1));
         let bad = Outcome::Rejected {
-            reason: "InvalidSpec",
+            reason: Reason::InvalidSpec,
             message: "spec.x is bad".into(),
         };
         let s2 = next_status(Some(&s1), 2, 1, &bad, &t(2));

@@ -2,7 +2,7 @@
 
 use comfy_table::{Table, presets::NOTHING};
 
-use crate::model::Plan;
+use crate::api::Plan;
 
 fn bytes(b: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -70,10 +70,17 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
         format!("{} CPUs, {}", plan.node_cpus, bytes(plan.node_memory_bytes)),
     );
     for (k, v) in &plan.sysctls {
-        row(&format!("sysctl {k}"), v.clone());
+        row(&format!("sysctl {k}"), v.to_string());
     }
     if !plan.sysctls_not_applied.is_empty() {
-        row("sysctls not applied", plan.sysctls_not_applied.join(", "));
+        row(
+            "sysctls not applied",
+            plan.sysctls_not_applied
+                .iter()
+                .map(|s| s.name())
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
     }
     if let Some(c) = plan.cost_per_million_connections_monthly {
         row("costPerMillionConnectionsMonthly", format!("${c:.2}"));

@@ -17,7 +17,8 @@ use prometheus_client::registry::Registry;
 /// Label of a reconcile outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabel {
-    /// `ok` or `error`.
+    /// `ok`, or the step that failed (`observe_error`, `apply_error`,
+    /// `metrics_loop_error`, `report_error`).
     pub result: String,
 }
 
@@ -56,9 +57,9 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Records one reconcile.
-    pub fn observe(&self, ok: bool, took: Duration) {
-        let result = if ok { "ok" } else { "error" }.to_string();
+    /// Records one reconcile that ended with `result` (see [`ResultLabel`]).
+    pub fn observe(&self, result: &str, took: Duration) {
+        let result = result.to_string();
         self.reconciliations
             .get_or_create(&ResultLabel { result })
             .inc();
@@ -111,16 +112,16 @@ mod tests {
     #[test]
     fn counts_reconciles_by_result() {
         let m = Metrics::default();
-        m.observe(true, Duration::from_millis(3));
-        m.observe(true, Duration::from_millis(5));
-        m.observe(false, Duration::from_millis(7));
+        m.observe("ok", Duration::from_millis(3));
+        m.observe("ok", Duration::from_millis(5));
+        m.observe("apply_error", Duration::from_millis(7));
         let text = m.encode();
         assert!(
             text.contains(r#"c10m_operator_reconciliations_total{result="ok"} 2"#),
             "{text}"
         );
         assert!(
-            text.contains(r#"c10m_operator_reconciliations_total{result="error"} 1"#),
+            text.contains(r#"c10m_operator_reconciliations_total{result="apply_error"} 1"#),
             "{text}"
         );
         assert!(

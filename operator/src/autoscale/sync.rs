@@ -10,9 +10,11 @@ use kube::Api;
 
 use super::actions::{self, ShardPod};
 use super::metrics::{MetricsError, Reader};
-use super::{PAUSE_ANNOTATION, policy, rebalance};
-use crate::api::{AutoscalingStatus, ConnectionFleet, RebalanceStatus};
-use crate::model::{self, PAGE_BYTES, Plan};
+use super::{policy, rebalance};
+use crate::api::{AutoscalingStatus, ConnectionFleet, Plan, RebalanceStatus};
+use crate::names::PAUSE_ANNOTATION;
+use crate::plan::{kernel::PAGE_BYTES, tcp_mem_pressure_pages};
+use crate::reason::{Announcement, EventAction, Reason};
 
 /// Per-fleet memory of the loop (stabilization history, rebalance window).
 #[derive(Clone, Debug, Default)]
@@ -31,13 +33,13 @@ pub struct Outcome {
     /// Live connections, when read.
     pub live: Option<i64>,
     /// `MetricsAvailable` condition: (ok, reason, message); `None` when the loop is off.
-    pub metrics_condition: Option<(bool, &'static str, String)>,
+    pub metrics_condition: Option<(bool, Reason, String)>,
     /// Autoscaler status, when autoscaling is on.
     pub autoscaling: Option<AutoscalingStatus>,
     /// Rebalancer status, when rebalancing is on.
     pub rebalance: Option<RebalanceStatus>,
-    /// Events to publish: (warning, reason, note).
-    pub events: Vec<(bool, &'static str, String)>,
+    /// Events to publish.
+    pub events: Vec<Announcement>,
     /// Seconds until the next sync, when the loop is on.
     pub resync: Option<Duration>,
 }
@@ -100,7 +102,7 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
     let Some(reader) = i.reader else {
         out.metrics_condition = Some((
             false,
-            "NoPrometheus",
+            Reason::NoPrometheus,
             "the operator runs without --prometheus-url; holding the current shards".into(),
         ));
         return Ok(out);
@@ -118,10 +120,10 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
         Ok(m) => m,
         Err(e) => {
             let reason = match e {
-                MetricsError::Unreachable(_) => "PrometheusUnreachable",
-                MetricsError::Empty(_) => "NoSamples",
-                MetricsError::Stale { .. } => "StaleSamples",
-                MetricsError::Partial { .. } => "PartialSamples",
+                MetricsError::Unreachable(_) => Reason::PrometheusUnreachable,
+                MetricsError::Empty(_) => Reason::NoSamples,
+                MetricsError::Stale { .. } => Reason::StaleSamples,
+                MetricsError::Partial { .. } => Reason::PartialSamples,
             };
             out.metrics_condition = Some((
                 false,
@@ -138,7 +140,7 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
     out.live = Some(m.live);
     out.metrics_condition = Some((
         true,
-        "MetricsRead",
+        Reason::MetricsRead,
         format!("{} live connections on {} shards", m.live, m.shards.len()),
     ));
 
@@ -154,7 +156,7 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
                 live: m.live,
                 shard_capacity: i.plan.shard_connection_limit,
                 socket_memory_bytes: m.socket_memory_bytes,
-                tcp_mem_pressure_bytes: model::tcp_mem_pressure_pages(i.plan) * PAGE_BYTES,
+                tcp_mem_pressure_bytes: tcp_mem_pressure_pages(i.plan) * PAGE_BYTES,
             };
             let rec = policy::recommend(a, &obs);
             let d = policy::decide(a, &mut memory.history, i.now, i.current, &rec);
@@ -162,9 +164,9 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
             if target < i.current {
                 let victims = least_loaded(&pods, &m.shards, (i.current - target) as usize);
                 actions::mark_for_deletion(i.pods, &victims).await?;
-                out.events.push((
-                    false,
-                    "ScaledIn",
+                out.events.push(Announcement::normal(
+                    Reason::ScaledIn,
+                    EventAction::Autoscale,
                     format!(
                         "{} → {target} shards, removing {}: {}",
                         i.current,
@@ -173,9 +175,9 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
                     ),
                 ));
             } else if target > i.current {
-                out.events.push((
-                    false,
-                    "ScaledOut",
+                out.events.push(Announcement::normal(
+                    Reason::ScaledOut,
+                    EventAction::Autoscale,
                     format!("{} → {target} shards: {}", i.current, d.reason),
                 ));
             }
@@ -205,15 +207,19 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
                 };
                 match actions::shed(i.http, &ip, spec.server.metrics_port, i.token, o).await {
                     Ok(()) => sent += o.count,
-                    Err(e) => out.events.push((true, "ShedFailed", e.to_string())),
+                    Err(e) => out.events.push(Announcement::warning(
+                        Reason::ShedFailed,
+                        EventAction::Autoscale,
+                        e.to_string(),
+                    )),
                 }
             }
             if sent > 0 {
                 status.shed_ordered += sent;
                 status.last_order_time = Some(i.wall.clone());
-                out.events.push((
-                    false,
-                    "Rebalancing",
+                out.events.push(Announcement::normal(
+                    Reason::Rebalancing,
+                    EventAction::Autoscale,
                     format!(
                         "hottest shard at {} % of the mean: {} shards shed {sent} connections at ≤ {} connections/s in total",
                         status.max_to_mean_percent,

@@ -5,8 +5,19 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
 
+use super::PlanError;
 use crate::api::ConnectionFleetSpec;
-use crate::model::{NodeFacts, PlanError};
+
+/// The node one shard runs on, resolved from the spec or the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// Memory available to pods, bytes.
+    pub memory_bytes: i64,
+    /// Whole CPUs available to pods.
+    pub cpus: i64,
+    /// Most pods the node runs.
+    pub pods: i64,
+}
 
 /// kubelet's default `maxPods`, used when neither spec nor node says.
 pub const DEFAULT_MAX_PODS: i64 = 110;

@@ -8,239 +8,22 @@
 //! every limit is used at most `100 − headroom` percent, and a shard can
 //! absorb its cap (imbalance, reconnect storms) without hitting any of them.
 //!
-//! Figures come from `../shared/KERNEL_FACTS.md` (measured on Linux 6.18) and
-//! the kernel sources named beside each constant.
+//! Figures come from [`super::kernel`] (measured on Linux 6.18, cited in
+//! `docs/KERNEL_FACTS.md`) and the kernel sources named beside each constant.
 
-use std::collections::BTreeMap;
+use crate::api::sysctl::{Sysctl, Sysctls};
+use crate::api::{
+    BackendModel, BytesPerConnection, ConnectionFleetSpec, LimitingFactor, Plan, SysctlMode,
+};
 
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
-
-use crate::api::{BackendModel, ConnectionFleetSpec, SysctlMode};
-
-/// Bytes in a page: the unit of `tcp_mem` (x86_64/arm64 4 KiB pages).
-pub const PAGE_BYTES: i64 = 4096;
-
-/// Kernel bytes per idle, epoll-registered IPv4 TCP socket on Linux 6.x, slab
-/// packing included: tcp_sock 2,521 + sock_inode 862 + filp 195 + dentry 195 +
-/// epoll 192 (KERNEL_FACTS.md, measured).
-pub const KERNEL_BYTES_PER_SOCKET: i64 = 3965;
-
-/// Of [`KERNEL_BYTES_PER_SOCKET`], the part charged to the pod's memory cgroup:
-/// TCP sock + file + epoll, ~2.65–2.75 KB; inode and dentry land on the node
-/// outside the pod (KERNEL_FACTS.md, measured, cgroup v1; upper figure used).
-pub const CGROUP_KERNEL_BYTES_PER_SOCKET: i64 = 2750;
-
-/// Bytes per tracked connection in the `nf_conntrack` slab (KERNEL_FACTS.md, measured).
-pub const CONNTRACK_BYTES: i64 = 256;
-
-/// User-space bytes per idle connection of a goroutine-per-connection Go
-/// server (net/http): 11,400–11,900 B; the upper figure is used
-/// (KERNEL_FACTS.md, [source] design article).
-pub const GOROUTINE_USER_BYTES: i64 = 11_900;
-
-/// User-space bytes per idle connection of the bundled c10m-server (epoll),
-/// echo protocol: 19.8 B measured by `make bench-server` (RSS delta of 8
-/// SO_REUSEPORT server processes ÷ 150,000 idle connections,
-/// target/bench/server.json; WebSocket 20.7 B) on this project's 2-vCPU VM;
-/// 23.7 B with one process and 19,000 connections (`make measure-server`).
-/// Rounded up to 20.
-pub const EPOLL_USER_BYTES: i64 = 20;
-
-/// Memory allowed per shard process beyond its connections: runtime, thread
-/// stacks, per-worker scratch buffers, metrics. A generous 64 MiB bound: the
-/// bundled server's idle RSS is 3.3–3.5 MB with 2 workers (`make
-/// measure-server`) and a Go runtime's heap arenas and stacks fit too.
-pub const PROCESS_BASE_BYTES: i64 = 64 << 20;
-
-/// File descriptors a shard needs besides connections: the bundled server
-/// keeps 32 + 4 per worker (stdio, admin listener, listener + epoll + waker +
-/// spare fd per worker; server-image/src/limits.rs), plus 32 slack for other
-/// servers.
-pub fn fd_reserve(workers: i64) -> i64 {
-    64 + 4 * workers
-}
-
-/// Hard RLIMIT_NOFILE a container inherits when the node doesn't say:
-/// containerd 2.x's unit sets no LimitNOFILE, so pods get systemd's default
-/// hard limit 524,288 (KERNEL_FACTS.md, [source] containerd issues).
-pub const DEFAULT_NOFILE_HARD_LIMIT: i64 = 524_288;
-
-/// Largest `fs.nr_open` the kernel accepts on 64-bit (fs/file.c
-/// `sysctl_nr_open_max`; writes above it fail with EINVAL).
-pub const NR_OPEN_MAX: i64 = 1_073_741_816;
-
-/// Kernel default of `fs.nr_open` (KERNEL_FACTS.md; `sysctl_nr_open` = 1024 × 1024 in fs/file.c).
-pub const DEFAULT_NR_OPEN: i64 = 1_048_576;
-
-/// Kernel default of `net.core.somaxconn` in a new pod network namespace (KERNEL_FACTS.md).
-pub const DEFAULT_SOMAXCONN: i64 = 4096;
-
-/// Listen backlog the bundled server asks for; the kernel caps it at
-/// `somaxconn`. A 128 backlog overflowed at 19k connections and cut the
-/// accept rate from ~50k/s to ~160/s (KERNEL_FACTS.md, measured).
-pub const LISTEN_BACKLOG: i64 = 65_535;
-
-/// Kernel default of `net.ipv4.tcp_max_syn_backlog`: max(128, ehash buckets
-/// ÷ 128) (net/ipv4/tcp_ipv4.c `tcp_sk_init`); 2,048 with the 262,144-bucket
-/// shared table measured here (KERNEL_FACTS.md).
-pub const DEFAULT_TCP_MAX_SYN_BACKLOG: i64 = 2048;
+use super::kernel::*;
+use super::sysctl::{NodeLoad, plan_sysctls};
+use super::validate::validate;
+use super::{NodeFacts, PlanError};
 
 /// Most connections a fleet plans per shard search (the API's bound on
 /// `spec.connections`).
 const SEARCH_CEILING: i64 = crate::api::MAX_CONNECTIONS;
-
-/// What limits connections per node (and so the node count and cost).
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[serde(rename_all = "camelCase")]
-pub enum LimitingFactor {
-    /// Node memory (user + kernel bytes of all shards) or the pod memory limit.
-    Memory,
-    /// `net.ipv4.tcp_mem` pressure threshold (pages), when it cannot be raised.
-    TcpMem,
-    /// File descriptors: the per-shard hard RLIMIT_NOFILE, or `fs.file-max`.
-    Nofile,
-    /// CPUs: connections per CPU, or whole shards per node.
-    Cpu,
-    /// `net.netfilter.nf_conntrack_max`, when it cannot be raised.
-    Conntrack,
-    /// Pods per node (kubelet maxPods).
-    Pods,
-    /// `shard.maxShards` stops the fleet short of the declared connections.
-    MaxShards,
-}
-
-impl LimitingFactor {
-    /// The camelCase name used in the plan.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LimitingFactor::Memory => "memory",
-            LimitingFactor::TcpMem => "tcpMem",
-            LimitingFactor::Nofile => "nofile",
-            LimitingFactor::Cpu => "cpu",
-            LimitingFactor::Conntrack => "conntrack",
-            LimitingFactor::Pods => "pods",
-            LimitingFactor::MaxShards => "maxShards",
-        }
-    }
-}
-
-/// Per-connection bytes.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BytesPerConnection {
-    /// User-space bytes of the backend per connection.
-    pub user: i64,
-    /// Kernel bytes per connection on the node: socket slab objects, conntrack
-    /// entry if tracked, and the queued-data page share at peak.
-    pub kernel: i64,
-    /// user + kernel.
-    pub total: i64,
-}
-
-/// The capacity plan (`status.plan`; printed by `c10m-operator plan`).
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct Plan {
-    /// Shards (pods, one server process each).
-    pub shards: i32,
-    /// Declared connections per shard (the fleet's connections spread evenly).
-    pub connections_per_shard: i64,
-    /// Most declared connections one shard can hold under the model (at headroom).
-    pub max_connections_per_shard: i64,
-    /// Connections each shard is sized for (its cap, memory and nofile follow
-    /// from this): connectionsPerShard rounded up to a step of 1/16 of the
-    /// most a shard can hold, so that a small change of spec.connections
-    /// changes only the shard count, not the pod template (no restarts).
-    pub sized_connections_per_shard: i64,
-    /// Per-shard connection cap passed to the server: connectionsPerShard plus headroom.
-    pub shard_connection_limit: i64,
-    /// Shards placed on one node.
-    pub shards_per_node: i32,
-    /// Nodes the fleet needs.
-    pub nodes: i32,
-    /// Connections the plan holds at its headroom (shards × the most per shard).
-    pub capacity: i64,
-    /// Most connections one node holds under the model, at headroom.
-    pub connections_per_node: i64,
-    /// Bytes per connection.
-    pub bytes_per_connection: BytesPerConnection,
-    /// Memory request = limit of each shard's server container, bytes.
-    pub memory_limit_bytes: i64,
-    /// Whole CPUs per shard (request = limit).
-    pub cpus: i32,
-    /// Worker threads per shard (one per pinned CPU).
-    pub workers: i32,
-    /// RLIMIT_NOFILE each shard needs: its connection cap plus its reserve.
-    pub nofile: i64,
-    /// Listen backlog the shard gets (min of the requested backlog and somaxconn).
-    pub listen_backlog: i64,
-    /// What limits connections per node.
-    pub limiting_factor: LimitingFactor,
-    /// Sysctls the plan applies (name → value); only raises over kernel defaults.
-    pub sysctls: BTreeMap<String, String>,
-    /// Sysctls the plan wants but the sysctl mode cannot apply.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub sysctls_not_applied: Vec<String>,
-    /// Node memory the plan assumed, bytes.
-    pub node_memory_bytes: i64,
-    /// Node CPUs the plan assumed.
-    pub node_cpus: i32,
-    /// USD per month for a million connections: node price × 730 h ÷ the most
-    /// connections one node holds, in millions. Set when a node price is given.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cost_per_million_connections_monthly: Option<f64>,
-    /// USD per month of this plan's nodes (nodes × price × 730 h).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub monthly_cost: Option<f64>,
-}
-
-/// The node one shard runs on, resolved from the spec or the cluster.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodeFacts {
-    /// Memory available to pods, bytes.
-    pub memory_bytes: i64,
-    /// Whole CPUs available to pods.
-    pub cpus: i64,
-    /// Most pods the node runs.
-    pub pods: i64,
-}
-
-/// Kernel defaults of one node, derived from its memory and CPUs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KernelDefaults {
-    /// `net.ipv4.tcp_mem` (min, pressure, max) in pages: pressure = RAM pages ÷ 16,
-    /// min = pressure ÷ 4 × 3, max = min × 2 (net/ipv4/tcp.c `tcp_init_mem`; ≈ 4.7 / 6.25 / 9.4 % of RAM).
-    pub tcp_mem: [i64; 3],
-    /// `fs.file-max` ≈ RAM KiB ÷ 10 (fs/file_table.c `files_maxfiles_init`; KERNEL_FACTS.md).
-    pub file_max: i64,
-    /// `net.netfilter.nf_conntrack_max` as kube-proxy sets it: max(131072, 32768 × cores), capped at 1,048,576 (KERNEL_FACTS.md).
-    pub conntrack_max: i64,
-}
-
-impl KernelDefaults {
-    /// Defaults for a node with `memory_bytes` of RAM and `cpus` cores.
-    pub fn for_node(memory_bytes: i64, cpus: i64) -> Self {
-        let pages = memory_bytes / PAGE_BYTES;
-        let pressure = (pages / 16).max(128);
-        let min = pressure / 4 * 3;
-        KernelDefaults {
-            tcp_mem: [min, pressure, min * 2],
-            file_max: (memory_bytes / 1024 / 10).max(8192),
-            conntrack_max: (32_768 * cpus).clamp(131_072, 1_048_576),
-        }
-    }
-}
-
-/// Why no plan could be made. Each message names the spec field to change.
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum PlanError {
-    /// The spec is invalid in a way the schema could not catch.
-    #[error("{0}")]
-    Invalid(String),
-    /// Not even one connection fits one shard on one node.
-    #[error("{0}")]
-    Infeasible(String),
-}
 
 /// Most file descriptors one shard process can get. The bundled server in
 /// InitContainer mode holds CAP_SYS_RESOURCE and raises its hard
@@ -312,12 +95,7 @@ impl Inputs {
     /// Constraints violated by `s` shards per node of `n` declared connections
     /// each, in the order they are reported as the limiting factor. With
     /// `sysctls`, raisable node limits are checked against those values.
-    fn violations(
-        &self,
-        n: i64,
-        s: i64,
-        sysctls: Option<&BTreeMap<String, String>>,
-    ) -> Vec<LimitingFactor> {
+    fn violations(&self, n: i64, s: i64, sysctls: Option<&Sysctls>) -> Vec<LimitingFactor> {
         let l = self.cap(n);
         let mut v = Vec::new();
         let (pressure, conntrack_max, file_max, nr_open) = self.node_limits(sysctls);
@@ -357,22 +135,21 @@ impl Inputs {
     /// while planning; with the plan's `sysctls` every limit is checked.
     fn node_limits(
         &self,
-        sysctls: Option<&BTreeMap<String, String>>,
+        sysctls: Option<&Sysctls>,
     ) -> (Option<i64>, Option<i64>, Option<i64>, i64) {
-        let get = |name: &str, idx: usize, default: i64| -> i64 {
+        let get = |sysctl: Sysctl| -> i64 {
             sysctls
-                .and_then(|m| m.get(name))
-                .and_then(|v| v.split_whitespace().nth(idx))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default)
+                .and_then(|m| m.get(&sysctl))
+                .unwrap_or(&self.defaults.value(sysctl))
+                .limit()
         };
         let d = &self.defaults;
         match sysctls {
             Some(_) => (
-                Some(get("net.ipv4.tcp_mem", 1, d.tcp_mem[1])),
-                Some(get("net.netfilter.nf_conntrack_max", 0, d.conntrack_max)),
-                Some(get("fs.file-max", 0, d.file_max)),
-                get("fs.nr_open", 0, DEFAULT_NR_OPEN),
+                Some(get(Sysctl::TcpMem)),
+                Some(get(Sysctl::NfConntrackMax)),
+                Some(get(Sysctl::FileMax)),
+                get(Sysctl::NrOpen),
             ),
             None if self.raise_node_sysctls => (None, None, None, i64::MAX),
             None => (
@@ -407,111 +184,14 @@ fn round_up(a: i64, unit: i64) -> i64 {
     ceil_div(a, unit) * unit
 }
 
-/// User-space bytes per connection of the spec's backend model (or its override).
-pub fn user_bytes(spec: &ConnectionFleetSpec) -> Result<i64, PlanError> {
-    match (spec.backend.model, spec.backend.user_bytes_per_connection) {
-        (_, Some(b)) if b >= 0 => Ok(b),
-        (_, Some(b)) => Err(PlanError::Invalid(format!(
-            "spec.backend.userBytesPerConnection must be >= 0, got {b}"
-        ))),
-        (BackendModel::Epoll, None) => Ok(EPOLL_USER_BYTES),
-        (BackendModel::Goroutine, None) => Ok(GOROUTINE_USER_BYTES),
-        (BackendModel::Custom, None) => Err(PlanError::Invalid(
-            "spec.backend.userBytesPerConnection is required when spec.backend.model is custom"
-                .into(),
-        )),
-    }
-}
-
-/// Parses `spec.node.pricePerHour` (USD, decimal string).
-pub fn price_per_hour(spec: &ConnectionFleetSpec) -> Result<Option<f64>, PlanError> {
-    let Some(raw) = spec.node.as_ref().and_then(|n| n.price_per_hour.as_deref()) else {
-        return Ok(None);
-    };
-    // The schema's pattern: digits with an optional fraction (no sign, no exponent).
-    let (int, frac) = raw.split_once('.').unwrap_or((raw, "0"));
-    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
-    match raw.parse::<f64>() {
-        Ok(p) if digits(int) && digits(frac) && int.len() <= 9 && p.is_finite() => Ok(Some(p)),
-        _ => Err(PlanError::Invalid(format!(
-            "spec.node.pricePerHour must be a non-negative decimal such as \"2.59\", got {raw:?}"
-        ))),
-    }
-}
-
-/// Checks what the schema cannot (or what a cluster without the schema's
-/// validation lets through). Each message names the field.
-pub fn validate(spec: &ConnectionFleetSpec) -> Result<(), PlanError> {
-    let bad = |m: String| Err(PlanError::Invalid(m));
-    if !(1..=crate::api::MAX_CONNECTIONS).contains(&spec.connections) {
-        return bad(format!(
-            "spec.connections must be 1..=10000000000, got {}",
-            spec.connections
-        ));
-    }
-    user_bytes(spec)?;
-    price_per_hour(spec)?;
-    let sh = &spec.shard;
-    if sh.cpus < 1 {
-        return bad(format!("spec.shard.cpus must be >= 1, got {}", sh.cpus));
-    }
-    if !(0..=90).contains(&sh.headroom_percent) {
-        return bad(format!(
-            "spec.shard.headroomPercent must be 0..=90, got {}",
-            sh.headroom_percent
-        ));
-    }
-    if sh.min_shards < 1 || sh.max_shards < sh.min_shards {
-        return bad(format!(
-            "spec.shard.maxShards ({}) must be >= spec.shard.minShards ({}) >= 1",
-            sh.max_shards, sh.min_shards
-        ));
-    }
-    if !(0..=100).contains(&spec.backend.queued_percent) {
-        return bad(format!(
-            "spec.backend.queuedPercent must be 0..=100, got {}",
-            spec.backend.queued_percent
-        ));
-    }
-    for (field, port) in [
-        ("port", spec.server.port),
-        ("metricsPort", spec.server.metrics_port),
-    ] {
-        if !(1..=65535).contains(&port) {
-            return bad(format!("spec.server.{field} must be 1..=65535, got {port}"));
-        }
-    }
-    if let Some(k) = spec.node.as_ref().and_then(|n| n.kernel_bytes_per_socket)
-        && k < 0
-    {
-        return bad(format!(
-            "spec.node.kernelBytesPerSocket must be >= 0, got {k}"
-        ));
-    }
-    if spec.server.port == spec.server.metrics_port {
-        return bad(format!(
-            "spec.server.metricsPort must differ from spec.server.port ({})",
-            spec.server.port
-        ));
-    }
-    for name in &spec.sysctls.allowed_unsafe {
-        if crate::sysctl::scope(name) != Some(crate::sysctl::Scope::Namespaced) {
-            return bad(format!(
-                "spec.sysctls.allowedUnsafe: {name:?} is not a namespaced sysctl the plan uses; node-level sysctls cannot be set through a pod securityContext"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Computes the plan for `spec` on nodes like `node`.
 ///
 /// Errors: [`PlanError::Invalid`] for a spec the schema should have refused,
 /// [`PlanError::Infeasible`] when not one connection fits a shard on a node
 /// (shard.cpus above node CPUs, or node memory below one shard's base).
 pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanError> {
-    validate(spec)?;
-    let inputs = Inputs::new(spec, node)?;
+    let valid = validate(spec)?;
+    let inputs = Inputs::new(spec, valid.user_bytes, node);
     let cpus = inputs.cpus;
     let tracked = inputs.tracked;
 
@@ -557,10 +237,10 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     let nodes = ceil_div(shards, shards_per_node);
     let nofile = shard_connection_limit + inputs.fd_reserve;
 
-    let (sysctls, sysctls_not_applied) = crate::sysctl::plan_sysctls(
+    let (sysctls, sysctls_not_applied) = plan_sysctls(
         spec,
         &inputs.defaults,
-        crate::sysctl::NodeLoad {
+        NodeLoad {
             connections: shards_per_node * shard_connection_limit,
             queued_pages: shards_per_node * inputs.queued_pages(shard_connection_limit),
             open_files: shards_per_node * nofile,
@@ -570,13 +250,12 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     );
     let listen_backlog = LISTEN_BACKLOG.min(
         sysctls
-            .get("net.core.somaxconn")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_SOMAXCONN),
+            .get(&Sysctl::Somaxconn)
+            .map_or(DEFAULT_SOMAXCONN, |v| v.limit()),
     );
 
     let connections_per_node = per_node_shards * per_shard;
-    let price = price_per_hour(spec)?;
+    let price = valid.price_per_hour;
     let round_cents = |x: f64| (x * 100.0).round() / 100.0;
     let plan = Plan {
         shards: shards as i32,
@@ -620,13 +299,10 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
 /// The `tcp_mem` pressure threshold (pages) the plan's nodes run with: the
 /// plan's raised value, else the kernel default for the node.
 pub fn tcp_mem_pressure_pages(plan: &Plan) -> i64 {
-    plan.sysctls
-        .get("net.ipv4.tcp_mem")
-        .and_then(|v| v.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            KernelDefaults::for_node(plan.node_memory_bytes, plan.node_cpus as i64).tcp_mem[1]
-        })
+    plan.sysctls.get(&Sysctl::TcpMem).map_or_else(
+        || KernelDefaults::for_node(plan.node_memory_bytes, plan.node_cpus as i64).tcp_mem[1],
+        |v| v.limit(),
+    )
 }
 
 /// Steps a shard's size is rounded to: 1/16 of the most one shard holds
@@ -650,9 +326,10 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
         cpus: plan.node_cpus as i64,
         pods: i64::MAX,
     };
-    let Ok(inputs) = Inputs::new(spec, node) else {
+    let Ok(valid) = validate(spec) else {
         return vec![];
     };
+    let inputs = Inputs::new(spec, valid.user_bytes, node);
     inputs.violations(
         plan.sized_connections_per_shard,
         plan.shards_per_node as i64,
@@ -661,8 +338,9 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
 }
 
 impl Inputs {
-    /// Resolves the model's inputs from the spec (model defaults for unset fields).
-    fn new(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Inputs, PlanError> {
+    /// Resolves the model's inputs from a validated spec (model defaults for
+    /// unset fields) and its backend's `user` bytes per connection.
+    fn new(spec: &ConnectionFleetSpec, user: i64, node: NodeFacts) -> Inputs {
         let node_profile = spec.node.clone().unwrap_or_default();
         let tracked = node_profile.conntrack.unwrap_or(true);
         let kernel_socket = node_profile
@@ -670,9 +348,9 @@ impl Inputs {
             .unwrap_or(KERNEL_BYTES_PER_SOCKET);
         let queued_bytes = ceil_div(spec.backend.queued_percent as i64 * PAGE_BYTES, 100);
         let cpus = spec.shard.cpus as i64;
-        Ok(Inputs {
+        Inputs {
             connections: spec.connections,
-            user: user_bytes(spec)?,
+            user,
             kernel_node: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 } + queued_bytes,
             kernel_pod: kernel_socket.min(CGROUP_KERNEL_BYTES_PER_SOCKET) + queued_bytes,
             headroom: spec.shard.headroom_percent as i64,
@@ -685,14 +363,14 @@ impl Inputs {
             raise_node_sysctls: spec.sysctls.mode == SysctlMode::InitContainer,
             node,
             defaults: KernelDefaults::for_node(node.memory_bytes, node.cpus),
-        })
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sysctl;
+    use crate::api::sysctl::SysctlValue;
     use proptest::prelude::*;
 
     const NODE: NodeFacts = NodeFacts {
@@ -728,8 +406,8 @@ mod tests {
             ceil_div(p.sized_connections_per_shard * 100, 80)
         );
         assert_eq!(p.nofile, p.shard_connection_limit + fd_reserve(8));
-        assert_eq!(p.sysctls["fs.nr_open"], p.nofile.to_string());
-        assert_eq!(p.sysctls["net.core.somaxconn"], "65535");
+        assert_eq!(p.sysctls[&Sysctl::NrOpen], SysctlValue::One(p.nofile));
+        assert_eq!(p.sysctls[&Sysctl::Somaxconn], SysctlValue::One(65535));
         assert_eq!(p.monthly_cost, Some(1890.70));
         // Node capacity at 80 % of 256 GiB ÷ 4,695 B ≈ 46.8M connections.
         let expect = (256u64 << 30) as f64 * 0.8 / 4695.0;
@@ -769,7 +447,7 @@ mod tests {
         assert!(p.nofile <= DEFAULT_NOFILE_HARD_LIMIT);
         assert_eq!(p.shards_per_node, 8);
         assert_eq!(p.nodes, 3);
-        assert!(!p.sysctls.contains_key("fs.nr_open"));
+        assert!(!p.sysctls.contains_key(&Sysctl::NrOpen));
     }
 
     #[test]
@@ -804,9 +482,9 @@ mod tests {
         assert_eq!(
             p.sysctls_not_applied,
             vec![
-                "net.core.somaxconn",
-                "net.ipv4.tcp_max_syn_backlog",
-                "net.ipv4.tcp_migrate_req"
+                Sysctl::Somaxconn,
+                Sysctl::TcpMaxSynBacklog,
+                Sysctl::TcpMigrateReq
             ]
         );
         assert_eq!(p.listen_backlog, DEFAULT_SOMAXCONN);
@@ -817,8 +495,8 @@ mod tests {
         );
         let p = plan(&s, NODE).unwrap();
         assert_eq!(
-            p.sysctls.get("net.core.somaxconn").map(String::as_str),
-            Some("65535")
+            p.sysctls.get(&Sysctl::Somaxconn),
+            Some(&SysctlValue::One(65535))
         );
         assert_eq!(p.listen_backlog, LISTEN_BACKLOG);
         let s = spec(
@@ -850,7 +528,7 @@ mod tests {
             serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100}, "node": {"conntrack": false}}),
         );
         let p = plan(&s, small).unwrap();
-        assert!(p.sysctls.contains_key("net.ipv4.tcp_mem"));
+        assert!(p.sysctls.contains_key(&Sysctl::TcpMem));
         assert_ne!(p.limiting_factor, LimitingFactor::TcpMem);
     }
 
@@ -911,9 +589,9 @@ mod tests {
             prop_assert!(p.shards_per_node as i64 * p.cpus as i64 <= node.cpus);
             prop_assert!(p.nofile <= nofile_ceiling(&s));
             let defaults = KernelDefaults::for_node(node.memory_bytes, node.cpus);
-            for (name, value) in &p.sysctls {
-                let d = sysctl::default_value(name, &defaults).unwrap();
-                prop_assert!(sysctl::is_raise(value, &d), "{name}={value} does not raise {d}");
+            for (sysctl, value) in &p.sysctls {
+                let d = defaults.value(*sysctl);
+                prop_assert!(value.raises(d), "{sysctl}={value} does not raise {d}");
             }
             // Headroom: at the declared load each shard uses at most (100 − h) % of its cap.
             prop_assert!(p.connections_per_shard * 100 <= p.shard_connection_limit * (100 - s.shard.headroom_percent as i64));
@@ -924,7 +602,7 @@ mod tests {
             let Ok(p) = plan(&s, node) else { return Ok(()); };
             if p.limiting_factor == LimitingFactor::MaxShards { return Ok(()); }
             // One more connection per shard at the node's full packing breaks the named limit.
-            let inputs = Inputs::new(&s, node).unwrap();
+            let inputs = Inputs::new(&s, validate(&s).unwrap().user_bytes, node);
             let per_shard = p.max_connections_per_shard;
             let v = inputs.violations(per_shard + 1, p.connections_per_node / per_shard, None);
             prop_assert_eq!(v.first().copied(), Some(p.limiting_factor));

@@ -1,0 +1,180 @@
+//! Controller wiring: what `c10m-operator run` watches (fleets, the objects
+//! they own, node profiles), the CRD install at start-up, the operator's
+//! own metrics endpoint, and the run configuration. Each reconcile is
+//! [`crate::reconcile::reconcile`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Controller;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::utils::{PredicateConfig, WatchStreamExt};
+use kube::runtime::watcher::{self, watcher};
+use tracing::info;
+
+use crate::api::ConnectionFleet;
+use crate::autoscale;
+use crate::names::{FIELD_MANAGER, MANAGED_BY_SELECTOR};
+use crate::reconcile::{Context, error_policy, reconcile};
+
+/// How `c10m-operator run` runs.
+#[derive(Clone, Debug, Default)]
+pub struct RunConfig {
+    /// Watch only this namespace (`None`: all namespaces).
+    pub namespace: Option<String>,
+    /// This replica's name in events (the pod name).
+    pub instance: Option<String>,
+    /// Server-side apply the ConnectionFleet CRD at start-up, so upgrading
+    /// the operator upgrades its schema (Helm never upgrades `crds/`).
+    pub manage_crd: bool,
+    /// Address of `/metrics` and `/healthz` (`None`: not served).
+    pub metrics_addr: Option<String>,
+    /// Prometheus the metrics loop reads (`None`: autoscaling and rebalancing hold).
+    pub prometheus_url: Option<String>,
+}
+
+/// Server-side applies the ConnectionFleet CRD (field manager
+/// [`FIELD_MANAGER`]) and waits up to 60 s until it is Established.
+pub async fn apply_crd(client: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::CustomResourceExt;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = ConnectionFleet::crd();
+    let name = crd.metadata.name.clone().unwrap_or_default();
+    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&crd))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot apply CRD {name} (start with --manage-crd=false where CRDs are managed elsewhere): {e}"))?;
+    for _ in 0..120 {
+        let got = api
+            .get(&name)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot read CRD {name}: {e}"))?;
+        let established = got.status.and_then(|s| s.conditions).is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        });
+        if established {
+            info!(crd = %name, "CRD applied and established");
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    anyhow::bail!("CRD {name} not Established after 60 s")
+}
+
+/// Hash of what a node contributes to plans: its labels and allocatable.
+fn node_profile_hash(node: &Node) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    node.metadata.labels.hash(&mut h);
+    node.status
+        .as_ref()
+        .and_then(|s| s.allocatable.as_ref())
+        .map(|a| {
+            a.iter()
+                .map(|(k, v)| (k.clone(), v.0.clone()))
+                .collect::<Vec<_>>()
+        })
+        .hash(&mut h);
+    Some(h.finish())
+}
+
+/// Runs the controller until SIGTERM/SIGINT.
+pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
+    let metrics = Arc::new(crate::telemetry::Metrics::default());
+    if let Some(addr) = config.metrics_addr.clone() {
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = crate::telemetry::serve(addr, m).await {
+                tracing::error!(error = %e, "metrics endpoint stopped");
+            }
+        });
+    }
+    if config.manage_crd {
+        apply_crd(&client).await?;
+    }
+    let namespace = config.namespace;
+    let instance = config.instance;
+    let (fleets, deps, svcs, pdbs) = match &namespace {
+        Some(ns) => (
+            Api::<ConnectionFleet>::namespaced(client.clone(), ns),
+            Api::<Deployment>::namespaced(client.clone(), ns),
+            Api::<Service>::namespaced(client.clone(), ns),
+            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+        ),
+        None => (
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+        ),
+    };
+    // Fail fast with a clear message when the CRD is missing or RBAC forbids reading fleets.
+    fleets
+        .list(&ListParams::default().limit(1))
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot list connectionfleets.c10m.dev (is the CRD applied and RBAC granted?): {e}"
+            )
+        })?;
+
+    let prometheus = config
+        .prometheus_url
+        .as_deref()
+        .map(autoscale::metrics::Reader::new)
+        .transpose()?;
+    let ctx = Arc::new(Context::new(client, instance, metrics, prometheus));
+    let owned = watcher::Config::default().labels(MANAGED_BY_SELECTOR);
+    info!(
+        namespace = namespace.as_deref().unwrap_or("<all>"),
+        "c10m-operator controller starting"
+    );
+    let controller = Controller::new(fleets, watcher::Config::default())
+        .owns(deps, owned.clone())
+        .owns(svcs, owned.clone())
+        .owns(pdbs, owned);
+    // Node profiles come from nodes' labels and allocatable: re-plan every
+    // fleet when those change (not on the frequent node status heartbeats).
+    let store = controller.store();
+    let node_profiles = watcher(
+        Api::<Node>::all(ctx.client.clone()),
+        watcher::Config::default(),
+    )
+    .applied_objects()
+    .predicate_filter(node_profile_hash, PredicateConfig::default());
+    controller
+        .watches_stream(node_profiles, move |_node| {
+            store
+                .state()
+                .iter()
+                .map(|f| ObjectRef::from_obj(f.as_ref()))
+                .collect::<Vec<_>>()
+        })
+        .shutdown_on_signal()
+        .run(
+            |fleet, ctx: Arc<Context>| async move {
+                let started = Instant::now();
+                let res = reconcile(fleet.clone(), ctx.clone()).await;
+                ctx.finished(&fleet, res.as_ref().err(), started.elapsed());
+                res
+            },
+            error_policy,
+            ctx,
+        )
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => tracing::debug!(fleet = %obj.name, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "reconcile error"),
+            }
+        })
+        .await;
+    info!("c10m-operator controller stopped");
+    Ok(())
+}

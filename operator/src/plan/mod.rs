@@ -1,0 +1,24 @@
+//! The capacity plan (pure: no I/O): from a fleet's spec and a node profile,
+//! shards, connections per shard, resources, file-descriptor limits and the
+//! sysctls that let the kernel hold them.
+//!
+//! - [`kernel`]: measured kernel facts and the kernel's defaults;
+//! - [`nodes`]: the node profile (spec values, else the cluster's nodes);
+//! - [`validate`]: what the schema cannot check, parsed once;
+//! - [`sysctl`]: which sysctls a plan raises, under which mode;
+//! - [`capacity`]: the search for shards and the plan's self-check;
+//! - [`error`]: why no plan could be made.
+
+pub mod capacity;
+pub mod error;
+pub mod kernel;
+pub mod nodes;
+pub mod sysctl;
+pub mod validate;
+
+pub use capacity::{
+    HOURS_PER_MONTH, SIZE_STEPS, check, nofile_ceiling, plan, raises_own_nofile, size_step,
+    tcp_mem_pressure_pages,
+};
+pub use error::PlanError;
+pub use nodes::NodeFacts;

@@ -1,0 +1,111 @@
+//! Which kernel settings a plan raises and which the kubelet lets a pod set
+//! (pure). Names, scopes and values are typed in [`crate::api::sysctl`];
+//! kernel defaults come from [`super::kernel::KernelDefaults`].
+
+use crate::api::sysctl::{Sysctl, SysctlValue, Sysctls};
+use crate::api::{ConnectionFleetSpec, SysctlMode};
+
+use super::kernel::{self, KernelDefaults};
+
+/// Sysctls the kubelet allows in a pod's `securityContext.sysctls` without
+/// `--allowed-unsafe-sysctls`, as of Kubernetes 1.35 ("Using sysctls in a
+/// Kubernetes Cluster", kubernetes.io docs; `pkg/kubelet/sysctl/safe_sysctls.go`).
+pub const KUBELET_SAFE: &[&str] = &[
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+    "net.ipv4.tcp_rmem",
+    "net.ipv4.tcp_wmem",
+];
+
+/// Files a node keeps open besides the fleet's shards (system daemons,
+/// kubelet, container runtime): a 65,536 allowance when raising `fs.file-max`.
+/// Chosen, not measured.
+pub const FILE_MAX_SYSTEM_RESERVE: i64 = 65_536;
+
+/// Load the fleet puts on one node at the shards' connection caps.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeLoad {
+    /// Connections of all shards on the node.
+    pub connections: i64,
+    /// `tcp_mem` pages charged at peak (one per socket holding queued data).
+    pub queued_pages: i64,
+    /// File descriptors of all shards on the node.
+    pub open_files: i64,
+    /// RLIMIT_NOFILE of one shard.
+    pub nofile: i64,
+    /// Connections pass through conntrack.
+    pub tracked: bool,
+}
+
+/// The sysctls the plan applies under the spec's mode (only raises over
+/// the node's kernel defaults) and those it wants but cannot apply.
+pub fn plan_sysctls(
+    spec: &ConnectionFleetSpec,
+    defaults: &KernelDefaults,
+    load: NodeLoad,
+) -> (Sysctls, Vec<Sysctl>) {
+    use SysctlValue::{One, Pages};
+    let mut wants: Vec<(Sysctl, SysctlValue)> = vec![
+        (Sysctl::Somaxconn, One(kernel::LISTEN_BACKLOG)),
+        (Sysctl::TcpMaxSynBacklog, One(kernel::LISTEN_BACKLOG)),
+        // With 1, closing one SO_REUSEPORT listener migrates its queued
+        // connections instead of resetting them (docs/KERNEL_FACTS.md, measured).
+        (Sysctl::TcpMigrateReq, One(1)),
+    ];
+    const {
+        assert!(
+            kernel::LISTEN_BACKLOG > kernel::DEFAULT_SOMAXCONN
+                && kernel::LISTEN_BACKLOG > kernel::DEFAULT_TCP_MAX_SYN_BACKLOG
+        )
+    };
+
+    let mode = spec.sysctls.mode;
+    if mode == SysctlMode::InitContainer {
+        let [min, pressure, max] = defaults.tcp_mem;
+        if load.queued_pages > pressure {
+            let p = load.queued_pages;
+            wants.push((Sysctl::TcpMem, Pages([min, p, max.max(p + p / 2)])));
+        }
+        if load.tracked && load.connections > defaults.conntrack_max {
+            wants.push((Sysctl::NfConntrackMax, One(load.connections)));
+        }
+        let files = load.open_files + FILE_MAX_SYSTEM_RESERVE;
+        if files > defaults.file_max {
+            wants.push((Sysctl::FileMax, One(files)));
+        }
+        if load.nofile > kernel::DEFAULT_NR_OPEN {
+            wants.push((Sysctl::NrOpen, One(load.nofile)));
+        }
+    }
+
+    let mut applied = Sysctls::new();
+    let mut not_applied = Vec::new();
+    for (sysctl, value) in wants {
+        let ok = match mode {
+            SysctlMode::InitContainer => true,
+            SysctlMode::PodSecurityContext => {
+                KUBELET_SAFE.contains(&sysctl.name())
+                    || spec
+                        .sysctls
+                        .allowed_unsafe
+                        .iter()
+                        .any(|a| a == sysctl.name())
+            }
+            SysctlMode::None => false,
+        };
+        if ok {
+            applied.insert(sysctl, value);
+        } else {
+            not_applied.push(sysctl);
+        }
+    }
+    (applied, not_applied)
+}

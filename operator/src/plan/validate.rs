@@ -1,0 +1,118 @@
+//! What the schema cannot check (or what a cluster without the schema's
+//! validation lets through), and the values only validation derives: the
+//! backend's user bytes and the node price, each parsed once here.
+
+use crate::api::sysctl::{Scope, Sysctl};
+use crate::api::{BackendModel, ConnectionFleetSpec};
+
+use super::PlanError;
+use super::kernel::{EPOLL_USER_BYTES, GOROUTINE_USER_BYTES};
+
+/// A spec that passed [`validate`], with the values validation parsed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Validated {
+    /// User-space bytes per connection of the backend (or its override).
+    pub user_bytes: i64,
+    /// `spec.node.pricePerHour` in USD, when given.
+    pub price_per_hour: Option<f64>,
+}
+
+/// User-space bytes per connection of the spec's backend model (or its override).
+fn user_bytes(spec: &ConnectionFleetSpec) -> Result<i64, PlanError> {
+    match (spec.backend.model, spec.backend.user_bytes_per_connection) {
+        (_, Some(b)) if b >= 0 => Ok(b),
+        (_, Some(b)) => Err(PlanError::Invalid(format!(
+            "spec.backend.userBytesPerConnection must be >= 0, got {b}"
+        ))),
+        (BackendModel::Epoll, None) => Ok(EPOLL_USER_BYTES),
+        (BackendModel::Goroutine, None) => Ok(GOROUTINE_USER_BYTES),
+        (BackendModel::Custom, None) => Err(PlanError::Invalid(
+            "spec.backend.userBytesPerConnection is required when spec.backend.model is custom"
+                .into(),
+        )),
+    }
+}
+
+/// Parses `spec.node.pricePerHour` (USD, decimal string).
+fn price_per_hour(spec: &ConnectionFleetSpec) -> Result<Option<f64>, PlanError> {
+    let Some(raw) = spec.node.as_ref().and_then(|n| n.price_per_hour.as_deref()) else {
+        return Ok(None);
+    };
+    // The schema's pattern: digits with an optional fraction (no sign, no exponent).
+    let (int, frac) = raw.split_once('.').unwrap_or((raw, "0"));
+    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    match raw.parse::<f64>() {
+        Ok(p) if digits(int) && digits(frac) && int.len() <= 9 && p.is_finite() => Ok(Some(p)),
+        _ => Err(PlanError::Invalid(format!(
+            "spec.node.pricePerHour must be a non-negative decimal such as \"2.59\", got {raw:?}"
+        ))),
+    }
+}
+
+/// Checks what the schema cannot (or what a cluster without the schema's
+/// validation lets through). Each message names the field.
+pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
+    let bad = |m: String| Err(PlanError::Invalid(m));
+    if !(1..=crate::api::MAX_CONNECTIONS).contains(&spec.connections) {
+        return bad(format!(
+            "spec.connections must be 1..=10000000000, got {}",
+            spec.connections
+        ));
+    }
+    let user_bytes = user_bytes(spec)?;
+    let price_per_hour = price_per_hour(spec)?;
+    let sh = &spec.shard;
+    if sh.cpus < 1 {
+        return bad(format!("spec.shard.cpus must be >= 1, got {}", sh.cpus));
+    }
+    if !(0..=90).contains(&sh.headroom_percent) {
+        return bad(format!(
+            "spec.shard.headroomPercent must be 0..=90, got {}",
+            sh.headroom_percent
+        ));
+    }
+    if sh.min_shards < 1 || sh.max_shards < sh.min_shards {
+        return bad(format!(
+            "spec.shard.maxShards ({}) must be >= spec.shard.minShards ({}) >= 1",
+            sh.max_shards, sh.min_shards
+        ));
+    }
+    if !(0..=100).contains(&spec.backend.queued_percent) {
+        return bad(format!(
+            "spec.backend.queuedPercent must be 0..=100, got {}",
+            spec.backend.queued_percent
+        ));
+    }
+    for (field, port) in [
+        ("port", spec.server.port),
+        ("metricsPort", spec.server.metrics_port),
+    ] {
+        if !(1..=65535).contains(&port) {
+            return bad(format!("spec.server.{field} must be 1..=65535, got {port}"));
+        }
+    }
+    if let Some(k) = spec.node.as_ref().and_then(|n| n.kernel_bytes_per_socket)
+        && k < 0
+    {
+        return bad(format!(
+            "spec.node.kernelBytesPerSocket must be >= 0, got {k}"
+        ));
+    }
+    if spec.server.port == spec.server.metrics_port {
+        return bad(format!(
+            "spec.server.metricsPort must differ from spec.server.port ({})",
+            spec.server.port
+        ));
+    }
+    for name in &spec.sysctls.allowed_unsafe {
+        if Sysctl::from_name(name).map(Sysctl::scope) != Some(Scope::Namespaced) {
+            return bad(format!(
+                "spec.sysctls.allowedUnsafe: {name:?} is not a namespaced sysctl the plan uses; node-level sysctls cannot be set through a pod securityContext"
+            ));
+        }
+    }
+    Ok(Validated {
+        user_bytes,
+        price_per_hour,
+    })
+}

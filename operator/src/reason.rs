@@ -1,0 +1,279 @@
+//! Every condition type, condition/event reason and event action the
+//! operator writes, as enums: one vocabulary for `status.conditions` and the
+//! fleet's Events. The README's "Conditions and events" table lists the same
+//! reasons (a test keeps them in step).
+
+use std::fmt;
+
+/// Condition types in `status.conditions`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConditionType {
+    /// Every shard runs the current template and is ready.
+    Ready,
+    /// A rollout or scale is under way.
+    Progressing,
+    /// The fleet cannot be what its spec asks.
+    Degraded,
+    /// The metrics loop can read trustworthy live metrics.
+    MetricsAvailable,
+    /// The plan's sysctls are all applied.
+    SysctlsApplied,
+}
+
+impl ConditionType {
+    /// The type as written in the condition.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConditionType::Ready => "Ready",
+            ConditionType::Progressing => "Progressing",
+            ConditionType::Degraded => "Degraded",
+            ConditionType::MetricsAvailable => "MetricsAvailable",
+            ConditionType::SysctlsApplied => "SysctlsApplied",
+        }
+    }
+}
+
+/// Reasons of conditions and events (PascalCase, as Kubernetes API
+/// conventions ask).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    // --- the plan and the spec ---
+    /// The spec is invalid in a way the schema could not catch.
+    InvalidSpec,
+    /// No node matches the selector and the spec gives no node profile.
+    NoNodeProfile,
+    /// Not one connection fits one shard on one node.
+    PlanInfeasible,
+    /// `shard.maxShards` stops the fleet short of its declared connections.
+    MaxShardsReached,
+    /// The plan holds the declared connections.
+    AsPlanned,
+    /// The plan changed (event).
+    PlanChanged,
+    // --- objects and API calls ---
+    /// An object the fleet would own exists and belongs to someone else.
+    ObjectConflict,
+    /// Listing nodes failed.
+    NodesUnavailable,
+    /// Applying the fleet's objects failed.
+    ApplyFailed,
+    /// Another API call of the reconcile failed.
+    ReconcileFailed,
+    // --- rollout ---
+    /// Every shard is ready on the current template.
+    ShardsReady,
+    /// Some shards are not ready yet.
+    ShardsNotReady,
+    /// The Deployment is rolling out.
+    RollingOut,
+    /// The rollout finished.
+    RolloutComplete,
+    // --- sysctls ---
+    /// Every sysctl of the plan is applied.
+    AllApplied,
+    /// Some sysctls are not applied under the sysctl mode (condition).
+    NotAllowedInMode,
+    /// Some sysctls are not applied under the sysctl mode (event).
+    SysctlsNotApplied,
+    // --- metrics loop ---
+    /// Live metrics were read.
+    MetricsRead,
+    /// The operator runs without `--prometheus-url`.
+    NoPrometheus,
+    /// Prometheus could not be reached.
+    PrometheusUnreachable,
+    /// A query returned no samples.
+    NoSamples,
+    /// Samples are older than `metrics.staleAfterSeconds`.
+    StaleSamples,
+    /// Some ready shards have no sample.
+    PartialSamples,
+    /// The autoscaler added shards (event).
+    ScaledOut,
+    /// The autoscaler removed shards (event).
+    ScaledIn,
+    /// Shards were told to shed connections (event).
+    Rebalancing,
+    /// A shed order failed (event).
+    ShedFailed,
+}
+
+impl Reason {
+    /// Every reason, in declaration order.
+    pub const ALL: [Reason; 27] = [
+        Reason::InvalidSpec,
+        Reason::NoNodeProfile,
+        Reason::PlanInfeasible,
+        Reason::MaxShardsReached,
+        Reason::AsPlanned,
+        Reason::PlanChanged,
+        Reason::ObjectConflict,
+        Reason::NodesUnavailable,
+        Reason::ApplyFailed,
+        Reason::ReconcileFailed,
+        Reason::ShardsReady,
+        Reason::ShardsNotReady,
+        Reason::RollingOut,
+        Reason::RolloutComplete,
+        Reason::AllApplied,
+        Reason::NotAllowedInMode,
+        Reason::SysctlsNotApplied,
+        Reason::MetricsRead,
+        Reason::NoPrometheus,
+        Reason::PrometheusUnreachable,
+        Reason::NoSamples,
+        Reason::StaleSamples,
+        Reason::PartialSamples,
+        Reason::ScaledOut,
+        Reason::ScaledIn,
+        Reason::Rebalancing,
+        Reason::ShedFailed,
+    ];
+
+    /// The reason spelled `s`, if it is one of the operator's.
+    pub fn parse(s: &str) -> Option<Reason> {
+        Reason::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
+    /// The reason as written in conditions and events.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::InvalidSpec => "InvalidSpec",
+            Reason::NoNodeProfile => "NoNodeProfile",
+            Reason::PlanInfeasible => "PlanInfeasible",
+            Reason::MaxShardsReached => "MaxShardsReached",
+            Reason::AsPlanned => "AsPlanned",
+            Reason::PlanChanged => "PlanChanged",
+            Reason::ObjectConflict => "ObjectConflict",
+            Reason::NodesUnavailable => "NodesUnavailable",
+            Reason::ApplyFailed => "ApplyFailed",
+            Reason::ReconcileFailed => "ReconcileFailed",
+            Reason::ShardsReady => "ShardsReady",
+            Reason::ShardsNotReady => "ShardsNotReady",
+            Reason::RollingOut => "RollingOut",
+            Reason::RolloutComplete => "RolloutComplete",
+            Reason::AllApplied => "AllApplied",
+            Reason::NotAllowedInMode => "NotAllowedInMode",
+            Reason::SysctlsNotApplied => "SysctlsNotApplied",
+            Reason::MetricsRead => "MetricsRead",
+            Reason::NoPrometheus => "NoPrometheus",
+            Reason::PrometheusUnreachable => "PrometheusUnreachable",
+            Reason::NoSamples => "NoSamples",
+            Reason::StaleSamples => "StaleSamples",
+            Reason::PartialSamples => "PartialSamples",
+            Reason::ScaledOut => "ScaledOut",
+            Reason::ScaledIn => "ScaledIn",
+            Reason::Rebalancing => "Rebalancing",
+            Reason::ShedFailed => "ShedFailed",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `action` of an Event: what the operator was doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventAction {
+    /// Planning the fleet.
+    Plan,
+    /// Reconciling (API calls).
+    Reconcile,
+    /// Reading live metrics.
+    ReadMetrics,
+    /// Scaling or rebalancing.
+    Autoscale,
+}
+
+impl EventAction {
+    /// The action as written in the Event.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventAction::Plan => "Plan",
+            EventAction::Reconcile => "Reconcile",
+            EventAction::ReadMetrics => "ReadMetrics",
+            EventAction::Autoscale => "Autoscale",
+        }
+    }
+}
+
+/// An event the operator means to publish on a fleet: decided by pure code
+/// (status derivation, the metrics loop's decision), sent by the reconcile's
+/// report step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Announcement {
+    /// A Warning (else Normal) event.
+    pub warning: bool,
+    /// Its reason.
+    pub reason: Reason,
+    /// What the operator was doing.
+    pub action: EventAction,
+    /// The note, in words.
+    pub note: String,
+}
+
+impl Announcement {
+    /// A Normal event.
+    pub fn normal(reason: Reason, action: EventAction, note: impl Into<String>) -> Self {
+        Announcement {
+            warning: false,
+            reason,
+            action,
+            note: note.into(),
+        }
+    }
+
+    /// A Warning event.
+    pub fn warning(reason: Reason, action: EventAction, note: impl Into<String>) -> Self {
+        Announcement {
+            warning: true,
+            reason,
+            action,
+            note: note.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn all_lists_every_reason_once() {
+        let names: BTreeSet<_> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(names.len(), Reason::ALL.len());
+        for r in Reason::ALL {
+            assert!(
+                r.as_str().chars().next().unwrap().is_ascii_uppercase()
+                    && r.as_str().chars().all(|c| c.is_ascii_alphanumeric()),
+                "{r} is not PascalCase"
+            );
+        }
+    }
+
+    /// The README's "Conditions and events" table names exactly these reasons.
+    #[test]
+    fn readme_table_lists_every_reason() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md");
+        let readme = std::fs::read_to_string(path).unwrap();
+        let section = readme
+            .split("## Conditions and events")
+            .nth(1)
+            .expect("README has a \"## Conditions and events\" section");
+        let section = section.split("\n## ").next().unwrap();
+        let in_readme: BTreeSet<&str> = section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split('`').next())
+            .collect();
+        let in_code: BTreeSet<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            in_readme, in_code,
+            "README reasons (left) and Reason::ALL (right) differ"
+        );
+    }
+}

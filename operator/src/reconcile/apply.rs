@@ -1,0 +1,97 @@
+//! Apply (client required): the fleet's admin Secret and the rendered
+//! objects, server-side applied with the operator's one field manager.
+
+use std::collections::BTreeMap;
+
+use c10m_wire::admin::TOKEN_KEY;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::{Client, Resource};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::Error;
+use crate::names::{FIELD_MANAGER, labels, secret_name};
+use crate::render::Rendered;
+
+async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
+where
+    K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    api.patch(&name, &pp, &Patch::Apply(obj))
+        .await
+        .map_err(|source| Error::Apply {
+            what: format!("apply {} {name}", K::kind(&())),
+            source,
+        })
+}
+
+/// Applies the Deployment, Service and PodDisruptionBudget (in that order,
+/// stopping at the first failure) and returns the Deployment as stored.
+pub async fn objects(client: &Client, ns: &str, objects: &Rendered) -> Result<Deployment, Error> {
+    let deployment = apply(&Api::namespaced(client.clone(), ns), &objects.deployment).await?;
+    apply(&Api::namespaced(client.clone(), ns), &objects.service).await?;
+    apply(&Api::namespaced(client.clone(), ns), &objects.pdb).await?;
+    Ok(deployment)
+}
+
+/// The fleet's admin token (the bearer token of its shards' `/drain` and
+/// `/shed`): read from its Secret `<fleet>-admin`, or created once (32
+/// random bytes, hex) with the fleet as owner. Never rotated by the
+/// operator. When a create races another reconcile (409), the winner's
+/// Secret is read once more; a Secret without a usable token is an error
+/// naming it (never a retry loop).
+pub async fn admin_secret(
+    client: &Client,
+    ns: &str,
+    fleet: &str,
+    owner: OwnerReference,
+) -> Result<String, Error> {
+    let api = Api::<Secret>::namespaced(client.clone(), ns);
+    let name = secret_name(fleet);
+    let err = |source| Error::AdminSecret {
+        name: name.clone(),
+        source,
+    };
+    let token = |s: Secret| {
+        s.data
+            .and_then(|d| {
+                d.get(TOKEN_KEY)
+                    .map(|t| String::from_utf8_lossy(&t.0).into_owned())
+            })
+            .filter(|t| !t.trim().is_empty())
+    };
+    if let Some(found) = api.get_opt(&name).await.map_err(err)? {
+        return token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() });
+    }
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).expect("the OS random source works");
+    let fresh: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            labels: Some(labels(fleet)),
+            owner_references: Some(vec![owner]),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            TOKEN_KEY.to_string(),
+            ByteString(fresh.clone().into_bytes()),
+        )])),
+        ..Default::default()
+    };
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(_) => Ok(fresh),
+        // Another reconcile created it first: use theirs.
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let found = api.get(&name).await.map_err(err)?;
+            token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() })
+        }
+        Err(e) => Err(err(e)),
+    }
+}

@@ -1,0 +1,146 @@
+//! Report (client required): the fleet's next status and the events its
+//! change announces, both derived by [`crate::status`] (pure) from what the
+//! pipeline ended with, then published and written. Every reconcile ends
+//! here, so a failure is reported exactly once.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+use tracing::{info, warn};
+
+use super::{Context, Ended, Error, RESYNC, truncate};
+use crate::api::{ConnectionFleet, ConnectionFleetStatus};
+use crate::names::FIELD_MANAGER;
+use crate::reason::Announcement;
+use crate::status::{self, Outcome, Shards};
+
+/// Requeue while shards roll out: Deployment status changes arrive through
+/// the owned-object watch; this only covers a rollout the watch might not
+/// report.
+pub const ROLLOUT_RECHECK: Duration = Duration::from_secs(15);
+
+/// Derives, publishes and writes what the pipeline `ended` with. Returns the
+/// requeue for a fleet that is as planned or rejected (a rejected spec waits
+/// for a change, never a retry loop), and the pipeline's error for a failed
+/// step, after recording it (status write best effort: the API may be what
+/// is failing; the log always has it). An error writing the status of a
+/// successful reconcile is [`Error::Report`].
+pub async fn report(
+    ctx: &Context,
+    fleet: &ConnectionFleet,
+    ended: Ended,
+    now: &Time,
+) -> Result<Action, Error> {
+    let prev = fleet.status.as_ref();
+    let generation = fleet.metadata.generation.unwrap_or(0);
+    let (outcome, looped, error) = match ended {
+        Ended::Rejected { reason, message } => (Outcome::Rejected { reason, message }, None, None),
+        Ended::Failed {
+            plan,
+            looped,
+            error,
+        } => (
+            Outcome::Failed {
+                plan,
+                reason: error.reason(),
+                message: error.to_string(),
+            },
+            looped,
+            Some(error),
+        ),
+        Ended::Applied {
+            plan,
+            looped,
+            deployment,
+        } => {
+            let st = deployment.status.clone().unwrap_or_default();
+            let shards = Shards {
+                desired: looped.replicas,
+                ready: st.ready_replicas.unwrap_or(0),
+                updated: st.updated_replicas.unwrap_or(0),
+                total: st.replicas.unwrap_or(0),
+                observed: st.observed_generation >= deployment.metadata.generation,
+            };
+            (Outcome::Applied { plan, shards }, Some(looped), None)
+        }
+    };
+    let mut next = status::next_status(prev, generation, fleet.spec.connections, &outcome, now);
+    if let Some(l) = &looped {
+        status::apply_loop(&mut next, l, generation, now);
+    }
+    let events = looped.as_ref().map_or(&[][..], |l| &l.events[..]);
+    for note in status::announcements(prev, &next, &outcome, events) {
+        publish(ctx, fleet, &note).await;
+    }
+    let written = if Some(&next) != prev {
+        write_status(fleet, ctx, &next).await
+    } else {
+        Ok(())
+    };
+    if let Some(error) = error {
+        if let Err(w) = written {
+            warn!(fleet = %fleet.name_any(), error = %w, "cannot record the failure in status");
+        }
+        return Err(error);
+    }
+    written?;
+    let wait = match &outcome {
+        Outcome::Applied { shards, .. } if !shards.rolled_out() => ROLLOUT_RECHECK,
+        _ => RESYNC,
+    };
+    let resync = looped.and_then(|l| l.resync);
+    Ok(Action::requeue(resync.map_or(wait, |r| r.min(wait))))
+}
+
+async fn publish(ctx: &Context, fleet: &ConnectionFleet, note: &Announcement) {
+    let reason = note.reason.as_str();
+    if note.warning {
+        warn!(fleet = %fleet.name_any(), namespace = ?fleet.namespace(), reason, note = %note.note, "event");
+    } else {
+        info!(fleet = %fleet.name_any(), namespace = ?fleet.namespace(), reason, note = %note.note, "event");
+    }
+    let ev = Event {
+        type_: if note.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.into(),
+        note: Some(truncate(note.note.clone())),
+        action: note.action.as_str().into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &fleet.object_ref(&())).await {
+        warn!(error = %e, reason, "cannot publish event");
+    }
+}
+
+async fn write_status(
+    fleet: &ConnectionFleet,
+    ctx: &Context,
+    status: &ConnectionFleetStatus,
+) -> Result<(), Error> {
+    let name = fleet.name_any();
+    let api: Api<ConnectionFleet> =
+        Api::namespaced(ctx.client.clone(), &fleet.namespace().unwrap_or_default());
+    let patch = serde_json::json!({
+        "apiVersion": "c10m.dev/v1alpha1",
+        "kind": "ConnectionFleet",
+        "status": status,
+    });
+    api.patch_status(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(|source| Error::Report {
+        what: format!("update status of ConnectionFleet {name}"),
+        source,
+    })?;
+    Ok(())
+}
