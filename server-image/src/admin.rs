@@ -19,8 +19,9 @@ use socket2::{Domain, Socket, Type};
 use c10m_wire::admin::{COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, METRICS_PATH, RATE_KEY, SHED_PATH};
 use subtle::ConstantTimeEq;
 
-use crate::metrics::{CloseReason, Format, Metrics};
-use crate::worker::{CloseOrder, Shared};
+use crate::conn::CloseReason;
+use crate::control::{CloseOrder, Shared};
+use crate::metrics::{Format, Metrics};
 
 /// Largest request head accepted, in bytes; larger gets 431.
 pub const MAX_REQUEST_HEAD: usize = 8 * 1024;

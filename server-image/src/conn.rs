@@ -12,7 +12,6 @@
 
 use std::io::{self, ErrorKind, Read, Write};
 
-use crate::metrics::CloseReason;
 use crate::ws;
 
 /// Bits of [`Conn`]'s packed word that hold the timestamp (seconds since the
@@ -25,6 +24,64 @@ const TICK_MASK: u32 = (1 << TICK_BITS) - 1;
 /// turn keeps one flooding client from starving the rest of the worker.
 /// Chosen, not measured.
 pub const READ_BUDGET: u32 = 16;
+
+/// Why a held connection was closed (`c10m_connections_closed_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CloseReason {
+    /// The peer closed its side (read returned EOF).
+    Peer,
+    /// The peer reset the connection (`ECONNRESET`, `EPIPE`).
+    Reset,
+    /// Any other socket error.
+    Error,
+    /// The server closed it while draining (SIGTERM/SIGINT or `POST /drain`).
+    Shutdown,
+    /// The server closed it on `POST /shed`.
+    Shed,
+    /// A WebSocket upgrade request did not complete within the handshake
+    /// timeout (slowloris).
+    HandshakeTimeout,
+    /// Nothing was read within the idle timeout (when one is set).
+    IdleTimeout,
+    /// The WebSocket upgrade request was invalid (answered 4xx).
+    BadHandshake,
+    /// A WebSocket protocol violation (closed with 1002 or 1007).
+    ProtocolError,
+    /// A WebSocket frame above `--max-frame-bytes` (closed with 1009).
+    TooLarge,
+}
+
+impl CloseReason {
+    /// Every reason, in label order.
+    pub const ALL: [CloseReason; 10] = [
+        Self::Peer,
+        Self::Reset,
+        Self::Error,
+        Self::Shutdown,
+        Self::Shed,
+        Self::HandshakeTimeout,
+        Self::IdleTimeout,
+        Self::BadHandshake,
+        Self::ProtocolError,
+        Self::TooLarge,
+    ];
+
+    /// The `reason` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Peer => "peer",
+            Self::Reset => "reset",
+            Self::Error => "error",
+            Self::Shutdown => "shutdown",
+            Self::Shed => "shed",
+            Self::HandshakeTimeout => "handshake_timeout",
+            Self::IdleTimeout => "idle_timeout",
+            Self::BadHandshake => "bad_handshake",
+            Self::ProtocolError => "protocol_error",
+            Self::TooLarge => "too_large",
+        }
+    }
+}
 
 /// Where a connection is in its protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

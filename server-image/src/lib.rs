@@ -5,20 +5,34 @@
 //! entries that hold no buffer while idle. A small admin thread serves
 //! `/metrics` and `/healthz`. SIGTERM/SIGINT drain and exit 0.
 //!
-//! Modules, in start-up order: [`config`] (flags), [`limits`] (RLIMIT_NOFILE,
-//! connection cap, CPU pinning), [`metrics`] and [`system`] (/proc readers),
-//! [`worker`] (listeners, event loops, timeouts, drain and shed orders) over
-//! [`conn`] (per-connection state, echo and WebSocket pumps) and [`ws`]
-//! (RFC 6455 as pure functions), [`admin`] (HTTP), and [`server`], which
-//! wires them together. [`loadgen`] is the `c10m-loadgen` binary's code;
-//! [`sysctl`] is `c10m-sysctl`'s.
-
-#![warn(missing_docs)]
+//! Modules, one concern each, in start-up order:
+//!
+//! - [`config`]: flags and their `C10M_*` environment fallbacks (the names
+//!   come from `c10m-wire`); [`Config::from_env_pairs`] parses an explicit
+//!   environment.
+//! - [`limits`]: RLIMIT_NOFILE, the connection cap, CPU pinning.
+//! - [`metrics`] (the Prometheus registry) and [`system`] (`/proc` readers).
+//! - [`listen`]: the SO_REUSEPORT listeners, one per worker, on one port.
+//! - [`control`]: state shared across threads: admission under the cap, the
+//!   draining flag, drain and shed orders.
+//! - [`worker`]: the event loop only: accept, drive, sweep timeouts, carry
+//!   out orders.
+//! - [`conn`]: one connection's state machine, the echo and WebSocket
+//!   pumps, and [`conn::CloseReason`]; over [`ws`], RFC 6455 as pure
+//!   functions.
+//! - [`admin`]: the admin HTTP server (`/metrics`, `/healthz`, `/drain`,
+//!   `/shed`).
+//! - [`server`]: wires them together, runs until a signal, drains.
+//!
+//! [`sysctl`] is the `c10m-sysctl` init tool's code; [`loadgen`] is the
+//! `c10m-loadgen` binary's.
 
 pub mod admin;
 pub mod config;
 pub mod conn;
+pub mod control;
 pub mod limits;
+pub mod listen;
 pub mod loadgen;
 pub mod metrics;
 pub mod server;

@@ -12,9 +12,11 @@ use signal_hook::flag;
 use signal_hook::iterator::Signals;
 
 use crate::config::Config;
+use crate::control::Shared;
 use crate::limits::{self, CapLimit};
+use crate::listen;
 use crate::metrics::Metrics;
-use crate::worker::{self, Shared, WorkerSpec};
+use crate::worker::{self, WorkerSpec};
 use crate::{admin, limits::connection_cap};
 
 /// What the main thread waits for.
@@ -94,7 +96,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("registering signal handlers")?;
 
     let addr = SocketAddr::new(config.bind, config.port);
-    let (listeners, local) = worker::bind_listeners(addr, workers, config.backlog)
+    let (listeners, local) = listen::bind_listeners(addr, workers, config.backlog)
         .with_context(|| format!("binding {workers} SO_REUSEPORT listeners on {addr}"))?;
     let admin_addr = SocketAddr::new(config.bind, config.metrics_port);
     let admin_listener =

@@ -1,14 +1,15 @@
-//! Worker threads: one SO_REUSEPORT listener, one edge-triggered epoll loop
-//! (`mio::Poll`) and one connection slab each. Workers share nothing on the
-//! hot path but the process-wide live-connection count that enforces the cap.
+//! The worker event loop: each worker thread owns one listener (from
+//! [`crate::listen`]), one edge-triggered epoll loop (`mio::Poll`) and one
+//! connection slab. It accepts, drives connections ([`crate::conn`]), sweeps
+//! timeouts once a second and carries out drain and shed orders. Workers
+//! share nothing on the hot path but [`crate::control::Shared`], whose
+//! live-connection count enforces the cap.
 
 use std::fs::File;
 use std::io::{self, ErrorKind};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,12 +18,12 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use rustix::io::Errno;
 use slab::Slab;
-use socket2::{Domain, Socket, Type};
 
 use crate::config::Protocol;
-use crate::conn::{Conn, Ctx, Phase, Status, Traffic};
+use crate::conn::{CloseReason, Conn, Ctx, Phase, Status, Traffic};
+use crate::control::{CloseOrder, Shared};
 use crate::limits;
-use crate::metrics::{CloseReason, RejectReason, WorkerMetrics};
+use crate::metrics::{RejectReason, WorkerMetrics};
 
 /// Token of the worker's listener. Connection tokens are slab keys, which
 /// count up from 0 and never reach the top of the `usize` range.
@@ -42,224 +43,6 @@ pub const EVENTS_CAPACITY: usize = 1024;
 
 /// Minimum time between two identical accept-error warnings from one worker.
 const WARN_EVERY: Duration = Duration::from_secs(10);
-
-/// An order to close connections at a bounded rate: a drain (SIGTERM or
-/// `POST /drain`, every connection) or a shed (`POST /shed`, `count` of
-/// them while still accepting). Workers claim closes from it; the total
-/// claimed never runs ahead of `rate × elapsed`, whichever worker claims.
-#[derive(Debug)]
-pub struct CloseOrder {
-    /// Reason the closes are counted under.
-    pub reason: CloseReason,
-    /// Connections to close (`u64::MAX`: all of them).
-    pub count: u64,
-    /// Closes per second over all workers; 0 means no limit.
-    pub rate: f64,
-    start: Instant,
-    taken: AtomicU64,
-}
-
-impl CloseOrder {
-    /// An order starting now.
-    pub fn new(reason: CloseReason, count: u64, rate: f64) -> Self {
-        CloseOrder {
-            reason,
-            count,
-            rate: if rate.is_finite() && rate > 0.0 {
-                rate
-            } else {
-                0.0
-            },
-            start: Instant::now(),
-            taken: AtomicU64::new(0),
-        }
-    }
-
-    /// Closes allowed by `now` in total: one at once, then `rate` per
-    /// second, never more than `count`.
-    pub fn allowed(&self, now: Instant) -> u64 {
-        if self.rate == 0.0 {
-            return self.count;
-        }
-        let secs = now.saturating_duration_since(self.start).as_secs_f64();
-        let n = (self.rate * secs).floor() + 1.0;
-        if n >= self.count as f64 {
-            self.count
-        } else {
-            n as u64
-        }
-    }
-
-    /// Claims up to `want` closes allowed by `now`; returns how many.
-    pub fn claim(&self, want: u64, now: Instant) -> u64 {
-        let allowed = self.allowed(now);
-        let mut got = 0;
-        let _ = self
-            .taken
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                got = allowed.saturating_sub(t).min(want);
-                (got > 0).then_some(t + got)
-            });
-        got
-    }
-
-    /// Closes claimed so far.
-    pub fn taken(&self) -> u64 {
-        self.taken.load(Ordering::Acquire)
-    }
-
-    /// Gives back `n` claimed closes a worker could not use (it ran out of
-    /// connections), so another worker may take them.
-    pub fn unclaim(&self, n: u64) {
-        if n > 0 {
-            self.taken.fetch_sub(n, Ordering::AcqRel);
-        }
-    }
-
-    /// Whether every close of the order has been claimed.
-    pub fn done(&self) -> bool {
-        self.taken() >= self.count
-    }
-}
-
-/// State the workers, the admin thread and the main thread share.
-#[derive(Debug)]
-pub struct Shared {
-    live: AtomicU64,
-    cap: u64,
-    draining: Arc<AtomicBool>,
-    /// Drain deadline passed: close what is left at once.
-    force: AtomicBool,
-    order: Mutex<Option<Arc<CloseOrder>>>,
-    order_gen: AtomicU64,
-    wakers: OnceLock<Vec<Arc<Waker>>>,
-}
-
-impl Shared {
-    /// `cap` is the per-process connection cap; `draining` turns true when
-    /// the server starts shutting down.
-    pub fn new(cap: u64, draining: Arc<AtomicBool>) -> Self {
-        Shared {
-            live: AtomicU64::new(0),
-            cap,
-            draining,
-            force: AtomicBool::new(false),
-            order: Mutex::new(None),
-            order_gen: AtomicU64::new(0),
-            wakers: OnceLock::new(),
-        }
-    }
-
-    /// Claims a slot for one more connection, unless the cap is reached.
-    /// Never lets the count exceed the cap, however many workers race.
-    pub fn try_admit(&self) -> bool {
-        self.live
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.cap).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    /// Gives back the slot of a closed connection.
-    pub fn release(&self) {
-        self.live.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    /// Live connections in the process.
-    pub fn live(&self) -> u64 {
-        self.live.load(Ordering::Acquire)
-    }
-
-    /// Whether the server is draining.
-    pub fn draining(&self) -> bool {
-        self.draining.load(Ordering::Acquire)
-    }
-
-    /// Records the workers' wakers (once, after they started).
-    pub fn set_wakers(&self, wakers: Vec<Arc<Waker>>) {
-        let _ = self.wakers.set(wakers);
-    }
-
-    /// Wakes every worker's event loop.
-    pub fn wake_all(&self) {
-        for w in self.wakers.get().into_iter().flatten() {
-            if let Err(e) = w.wake() {
-                tracing::warn!(error = %e, "could not wake worker");
-            }
-        }
-    }
-
-    /// Starts a drain: stop accepting, then close every connection at
-    /// `rate` per second (0: all at once) with a protocol goodbye.
-    pub fn start_drain(&self, rate: f64) {
-        self.draining.store(true, Ordering::Release);
-        self.set_order(CloseOrder::new(CloseReason::Shutdown, u64::MAX, rate));
-    }
-
-    /// Replaces the running close order (if any) and wakes the workers.
-    pub fn set_order(&self, order: CloseOrder) {
-        *self.order.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(order));
-        self.order_gen.fetch_add(1, Ordering::AcqRel);
-        self.wake_all();
-    }
-
-    /// The running close order, if any.
-    pub fn order(&self) -> Option<Arc<CloseOrder>> {
-        self.order.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn order_gen(&self) -> u64 {
-        self.order_gen.load(Ordering::Acquire)
-    }
-
-    /// The drain deadline passed: workers close what is left at once.
-    pub fn force_close(&self) {
-        self.force.store(true, Ordering::Release);
-        self.wake_all();
-    }
-
-    fn forced(&self) -> bool {
-        self.force.load(Ordering::Acquire)
-    }
-}
-
-/// Opens one non-blocking SO_REUSEPORT listener on `addr` with the given
-/// `listen(2)` backlog (clamped by the kernel to `net.core.somaxconn`).
-pub fn reuseport_listener(addr: SocketAddr, backlog: i32) -> io::Result<std::net::TcpListener> {
-    let socket = Socket::new(
-        Domain::for_address(addr),
-        Type::STREAM.nonblocking().cloexec(),
-        Some(socket2::Protocol::TCP),
-    )?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    if addr.is_ipv6() {
-        // `--bind ::` serves IPv4 too.
-        socket.set_only_v6(false)?;
-    }
-    socket.bind(&addr.into())?;
-    socket.listen(backlog)?;
-    Ok(socket.into())
-}
-
-/// Opens `n` SO_REUSEPORT listeners on one port, so the kernel spreads new
-/// connections across them by 4-tuple hash. Port 0 is resolved once by the
-/// first listener and shared by the others. Returns them and the bound
-/// address.
-pub fn bind_listeners(
-    addr: SocketAddr,
-    n: usize,
-    backlog: i32,
-) -> io::Result<(Vec<std::net::TcpListener>, SocketAddr)> {
-    let first = reuseport_listener(addr, backlog)?;
-    let local = first.local_addr()?;
-    let mut all = Vec::with_capacity(n);
-    all.push(first);
-    for _ in 1..n {
-        all.push(reuseport_listener(local, backlog)?);
-    }
-    Ok((all, local))
-}
 
 /// A running worker.
 #[derive(Debug)]
@@ -290,7 +73,7 @@ pub struct Limits {
 pub struct WorkerSpec {
     /// Worker index, 0-based (the `worker` metric label).
     pub id: u32,
-    /// Its listener, from [`bind_listeners`].
+    /// Its listener, from [`crate::listen::bind_listeners`].
     pub listener: std::net::TcpListener,
     /// CPU to pin the thread to, if any.
     pub cpu: Option<usize>,
@@ -707,71 +490,6 @@ impl Worker {
         let keys: Vec<usize> = conns.iter().map(|(k, _)| k).collect();
         for key in keys {
             self.close_politely(conns, key, reason);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn admission_never_exceeds_the_cap() {
-        let shared = Arc::new(Shared::new(1000, Arc::new(AtomicBool::new(false))));
-        let admitted: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..4)
-                .map(|_| {
-                    let shared = &shared;
-                    s.spawn(move || (0..600).filter(|_| shared.try_admit()).count() as u64)
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).sum()
-        });
-        assert_eq!(admitted, 1000);
-        assert_eq!(shared.live(), 1000);
-        assert!(!shared.try_admit());
-        shared.release();
-        assert_eq!(shared.live(), 999);
-        assert!(shared.try_admit());
-        assert!(!shared.try_admit());
-    }
-
-    #[test]
-    fn zero_cap_admits_nothing() {
-        let shared = Shared::new(0, Arc::new(AtomicBool::new(false)));
-        assert!(!shared.try_admit());
-        assert_eq!(shared.live(), 0);
-    }
-
-    #[test]
-    fn close_order_follows_its_rate_and_count() {
-        let o = CloseOrder::new(CloseReason::Shed, 100, 50.0);
-        let t0 = o.start;
-        // One at once, then 50 per second, never more than asked.
-        assert_eq!(o.claim(10, t0), 1);
-        assert_eq!(o.claim(10, t0), 0);
-        assert_eq!(o.claim(100, t0 + Duration::from_millis(500)), 25);
-        assert_eq!(o.taken(), 26);
-        o.unclaim(6);
-        assert_eq!(o.claim(3, t0 + Duration::from_millis(500)), 3);
-        assert_eq!(o.claim(1000, t0 + Duration::from_secs(60)), 77);
-        assert!(o.done());
-        assert_eq!(o.claim(1, t0 + Duration::from_secs(61)), 0);
-        // No rate: everything at once.
-        let all = CloseOrder::new(CloseReason::Shutdown, u64::MAX, 0.0);
-        assert_eq!(all.claim(5000, all.start), 5000);
-        assert!(!all.done());
-        assert_eq!(CloseOrder::new(CloseReason::Shed, 3, f64::NAN).rate, 0.0);
-    }
-
-    #[test]
-    fn listeners_share_one_port() {
-        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let (ls, local) = bind_listeners(addr, 3, 128).unwrap();
-        assert_eq!(ls.len(), 3);
-        assert_ne!(local.port(), 0);
-        for l in &ls {
-            assert_eq!(l.local_addr().unwrap(), local);
         }
     }
 }
