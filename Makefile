@@ -64,11 +64,12 @@ measure-server:
 .PHONY: bench-server test-server-scale fuzz
 
 bench-server:
-	$(CARGO) build --release -p c10m-server --bins --examples
+	$(CARGO) build --release -p c10m-server -p c10m-loadgen --bins --examples
 	@mkdir -p target/bench
 	python3 server-image/bench/server_bench.py --out target/bench/server.json
 
 test-server-scale:
+	$(CARGO) build --release -p c10m-loadgen
 	$(CARGO) test --release -p c10m-server --test scale -- --ignored --nocapture --test-threads 1
 
 FUZZ_SECONDS ?= 20

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark of c10m-server (`make bench-server`).
 
-Measures, with the same load generator (c10m-loadgen) and on the same
+Measures, with the same load generator (c10m-loadgen, `tools/loadgen`, run
+from target/release like the servers) and on the same
 machine, four servers each run as PROCS SO_REUSEPORT processes on one port of
 127.0.0.1, every process pinned to one CPU (process i on CPU i mod ncpu, as
 a pod's cpuset would):

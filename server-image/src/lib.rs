@@ -24,8 +24,8 @@
 //!   `/shed`).
 //! - [`server`]: wires them together, runs until a signal, drains.
 //!
-//! [`sysctl`] is the `c10m-sysctl` init tool's code; [`loadgen`] is the
-//! `c10m-loadgen` binary's.
+//! [`sysctl`] is the `c10m-sysctl` init tool's code. The load generator is
+//! its own crate, `c10m-loadgen` (`tools/loadgen`).
 
 pub mod admin;
 pub mod config;
@@ -33,7 +33,6 @@ pub mod conn;
 pub mod control;
 pub mod limits;
 pub mod listen;
-pub mod loadgen;
 pub mod metrics;
 pub mod server;
 pub mod sysctl;

@@ -146,8 +146,9 @@ fn without_a_token_orders_are_refused() {
 
 #[test]
 fn loadgen_reconnects_what_a_shed_closes() {
+    let loadgen = loadgen_bin();
     let server = ws_server(2, &[]);
-    let lg = std::process::Command::new(env!("CARGO_BIN_EXE_c10m-loadgen"))
+    let lg = std::process::Command::new(loadgen)
         .args([
             "--target",
             &server.addr.to_string(),

@@ -16,7 +16,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const SERVER: &str = env!("CARGO_BIN_EXE_c10m-server");
-const LOADGEN: &str = env!("CARGO_BIN_EXE_c10m-loadgen");
 const N: u64 = 40_000;
 const PROCS: usize = 3;
 
@@ -53,6 +52,7 @@ impl Drop for Kill {
 #[test]
 #[ignore = "40k connections, ~30 s: run with `make test-server-scale`"]
 fn holds_40k_connections_across_3_processes_with_zero_errors() {
+    let loadgen = common::loadgen_bin();
     let ip = Ipv4Addr::new(127, 78, (std::process::id() % 250) as u8 + 1, 1);
     let port = free_port(ip);
     let mut servers = Kill(Vec::new());
@@ -79,7 +79,7 @@ fn holds_40k_connections_across_3_processes_with_zero_errors() {
         assert!(Instant::now() < deadline, "servers did not start");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut lg = Command::new(LOADGEN)
+    let mut lg = Command::new(loadgen)
         .args(["--target", &format!("{ip}:{port}"), "-n", &N.to_string()])
         .args([
             "--ping-fraction",
@@ -143,7 +143,7 @@ fn connect_from(src: Ipv4Addr, dst: SocketAddr) -> TcpStream {
         libc::setsockopt(
             s.as_raw_fd(),
             libc::IPPROTO_IP,
-            c10m_server::loadgen::IP_BIND_ADDRESS_NO_PORT,
+            libc::IP_BIND_ADDRESS_NO_PORT,
             (&one as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )

@@ -10,6 +10,48 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_c10m-server");
+
+/// The `c10m-loadgen` binary (crate `tools/loadgen`), from the directory
+/// cargo put [`BIN`] in (`target/<profile>/`). Another package's binary is
+/// not built for this package's tests, so it is built here with the same
+/// cargo and profile, once per test process (a no-op when it is fresh, as
+/// after `cargo test --workspace`, `cargo build --workspace --bins` or the
+/// Makefile's targets).
+pub fn loadgen_bin() -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let bin = std::path::Path::new(BIN).with_file_name("c10m-loadgen");
+            let dir = bin.parent().and_then(|d| d.file_name());
+            let profile = match dir.and_then(|d| d.to_str()) {
+                Some("debug") | None => "dev",
+                Some(p) => p,
+            };
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let status = Command::new(cargo)
+                .args([
+                    "build",
+                    "--quiet",
+                    "-p",
+                    "c10m-loadgen",
+                    "--bin",
+                    "c10m-loadgen",
+                ])
+                .args(["--profile", profile])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .stdin(Stdio::null())
+                .status();
+            match status {
+                Ok(s) if s.success() => {}
+                other if bin.exists() => {
+                    eprintln!("building c10m-loadgen failed ({other:?}); using {bin:?}")
+                }
+                other => panic!("cannot build c10m-loadgen ({other:?}) and {bin:?} is missing"),
+            }
+            bin
+        })
+        .clone()
+}
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 pub const START_TIMEOUT: Duration = Duration::from_secs(10);
 

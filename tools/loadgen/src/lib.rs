@@ -1,5 +1,8 @@
 //! `c10m-loadgen`: opens many long-lived connections to a server, pings a
-//! fraction of them and reports round-trip percentiles (HdrHistogram).
+//! fraction of them and reports round-trip percentiles (HdrHistogram). The
+//! `c10m-loadgen` binary runs [`run`] and prints its [`Report`]; the
+//! server's scale tests, `make bench-server` and the end-to-end tests drive
+//! it. WebSocket frames come from `c10m_server::ws`, the server's own codec.
 //!
 //! One process holds at most `--per-process` connections (RLIMIT_NOFILE is
 //! capped at 20,000 per process on our machines), so above that the
@@ -31,11 +34,7 @@ use mio::{Events, Interest, Poll, Token};
 use serde::{Deserialize, Serialize};
 use socket2::{Domain, Socket, Type};
 
-use crate::ws;
-
-/// `IP_BIND_ADDRESS_NO_PORT` socket option number [source: Linux
-/// `include/uapi/linux/in.h`, since 4.2].
-pub const IP_BIND_ADDRESS_NO_PORT: libc::c_int = 24;
+use c10m_server::ws;
 
 /// Bytes of one echo-mode ping: a fixed 16-byte message the server echoes
 /// back unchanged (in WebSocket mode the same 16 bytes travel as a binary
@@ -415,19 +414,20 @@ struct Gen {
     ws_key: String,
 }
 
-fn open_socket(src: Ipv4Addr, dst: SocketAddrV4) -> io::Result<TcpStream> {
-    let s = Socket::new(
-        Domain::IPV4,
-        Type::STREAM.nonblocking().cloexec(),
-        Some(socket2::Protocol::TCP),
-    )?;
+/// Sets `IP_BIND_ADDRESS_NO_PORT` (Linux 4.2+) on `s`: a later `bind` to a
+/// source address with port 0 leaves the port to `connect`, so every
+/// (source, destination) pair gets the whole local port range. Neither
+/// socket2 nor rustix wraps this option.
+#[allow(unsafe_code)]
+fn bind_address_no_port(s: &Socket) -> io::Result<()> {
     let one: libc::c_int = 1;
-    // SAFETY: setsockopt on a socket we own with a pointer to a live c_int.
+    // SAFETY: `s` is an open socket we own for the whole call, and the
+    // option value points to a live `c_int` whose size is passed with it.
     let rc = unsafe {
         libc::setsockopt(
             s.as_raw_fd(),
             libc::IPPROTO_IP,
-            IP_BIND_ADDRESS_NO_PORT,
+            libc::IP_BIND_ADDRESS_NO_PORT,
             (&one as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
@@ -435,6 +435,16 @@ fn open_socket(src: Ipv4Addr, dst: SocketAddrV4) -> io::Result<TcpStream> {
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(())
+}
+
+fn open_socket(src: Ipv4Addr, dst: SocketAddrV4) -> io::Result<TcpStream> {
+    let s = Socket::new(
+        Domain::IPV4,
+        Type::STREAM.nonblocking().cloexec(),
+        Some(socket2::Protocol::TCP),
+    )?;
+    bind_address_no_port(&s)?;
     s.set_tcp_nodelay(true)?;
     s.bind(&SocketAddr::from((src, 0)).into())?;
     match s.connect(&SocketAddr::V4(dst).into()) {

@@ -1,9 +1,9 @@
-//! `c10m-loadgen` binary: see `c10m_server::loadgen`. Prints the result as
-//! JSON on stdout (with `--events`, NDJSON progress events before it).
+//! `c10m-loadgen` binary: see the `c10m_loadgen` library. Prints the result
+//! as JSON on stdout (with `--events`, NDJSON progress events before it).
 
 use std::process::ExitCode;
 
-use c10m_server::loadgen::{self, Args, Event};
+use c10m_loadgen::{self as loadgen, Args, Event};
 use clap::Parser;
 
 fn main() -> ExitCode {
