@@ -358,3 +358,602 @@ fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
         ..Default::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::sysctl::Sysctl;
+    use crate::names::FLEET_LABEL;
+    use crate::plan::NodeFacts;
+    use k8s_openapi::api::core::v1::Sysctl as PodSysctl;
+    use kube::Resource;
+    use serde_json::json;
+
+    const NODE: NodeFacts = NodeFacts {
+        memory_bytes: 256 << 30,
+        cpus: 64,
+        pods: 110,
+    };
+
+    /// Every `C10M_*` name of the contract, from `c10m_wire::env`.
+    const WIRE_ENV: [&str; 15] = [
+        wire_env::BIND,
+        wire_env::PORT,
+        wire_env::METRICS_PORT,
+        wire_env::WORKERS,
+        wire_env::MAX_CONNECTIONS,
+        wire_env::NOFILE,
+        wire_env::BACKLOG,
+        wire_env::PROTOCOL,
+        wire_env::HANDSHAKE_TIMEOUT_SECS,
+        wire_env::IDLE_TIMEOUT_SECS,
+        wire_env::MAX_FRAME_BYTES,
+        wire_env::DRAIN_RATE,
+        wire_env::DRAIN_TIMEOUT_SECS,
+        wire_env::ADMIN_TOKEN_FILE,
+        wire_env::ADMIN_TOKEN,
+    ];
+
+    struct Case {
+        fleet: ConnectionFleet,
+        plan: Plan,
+        owner: OwnerReference,
+        out: Rendered,
+    }
+
+    fn fleet(spec: serde_json::Value) -> ConnectionFleet {
+        let mut f = ConnectionFleet::new("edge", serde_json::from_value(spec).unwrap());
+        f.metadata.namespace = Some("prod".into());
+        f.metadata.uid = Some("0b6c1d1e-fleet-uid".into());
+        f
+    }
+
+    /// Plans `spec` on a 64-CPU, 256 GiB node and renders it at the plan's shards.
+    fn case(spec: serde_json::Value) -> Case {
+        let fleet = fleet(spec);
+        let plan = plan::plan(&fleet.spec, NODE).unwrap();
+        let owner = fleet.controller_owner_ref(&()).unwrap();
+        let out = render(&fleet, &plan, owner.clone(), plan.shards);
+        Case {
+            fleet,
+            plan,
+            owner,
+            out,
+        }
+    }
+
+    fn pod(r: &Rendered) -> &PodSpec {
+        r.deployment
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+    }
+
+    fn server(r: &Rendered) -> &Container {
+        let containers = &pod(r).containers;
+        assert_eq!(containers.len(), 1, "one server container");
+        assert_eq!(containers[0].name, SERVER_CONTAINER);
+        &containers[0]
+    }
+
+    fn env_value<'a>(c: &'a Container, name: &str) -> Option<&'a str> {
+        c.env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.as_deref())
+    }
+
+    fn caps(c: &Container) -> (Vec<String>, Option<Vec<String>>) {
+        let caps = c
+            .security_context
+            .as_ref()
+            .unwrap()
+            .capabilities
+            .clone()
+            .unwrap();
+        (caps.drop.unwrap_or_default(), caps.add)
+    }
+
+    #[test]
+    fn epoll_runs_unprivileged_and_keeps_sys_resource_only_in_init_container_mode() {
+        let c = case(json!({"connections": 1_000_000}));
+        let sc = server(&c.out).security_context.clone().unwrap();
+        assert_eq!(sc.run_as_non_root, Some(true));
+        assert_eq!(sc.run_as_user, Some(65532));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.privileged, None);
+        assert_eq!(
+            caps(server(&c.out)),
+            (
+                vec!["ALL".to_string()],
+                Some(vec!["SYS_RESOURCE".to_string()])
+            )
+        );
+        for mode in ["PodSecurityContext", "None"] {
+            let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": mode}}));
+            let sc = server(&c.out).security_context.as_ref().unwrap();
+            assert_eq!(
+                (sc.run_as_non_root, sc.run_as_user),
+                (Some(true), Some(65532)),
+                "{mode}"
+            );
+            assert_eq!(
+                caps(server(&c.out)),
+                (vec!["ALL".to_string()], None),
+                "{mode}: no capability is added back"
+            );
+        }
+    }
+
+    #[test]
+    fn goroutine_keeps_its_image_defaults_and_gets_go_runtime_limits() {
+        let c = case(json!({"connections": 1_000_000, "backend": {"model": "goroutine"}}));
+        let s = server(&c.out);
+        assert_eq!(s.security_context, None);
+        assert_eq!(
+            env_value(s, "GOMAXPROCS"),
+            Some(c.plan.cpus.to_string().as_str())
+        );
+        let gomemlimit: i64 = env_value(s, "GOMEMLIMIT").unwrap().parse().unwrap();
+        assert_eq!(gomemlimit, c.plan.memory_limit_bytes / 100 * 90);
+        assert!(gomemlimit < c.plan.memory_limit_bytes);
+    }
+
+    #[test]
+    fn custom_keeps_its_image_defaults_without_go_settings() {
+        let c = case(json!({
+            "connections": 1_000_000,
+            "backend": {"model": "custom", "userBytesPerConnection": 4096}
+        }));
+        let s = server(&c.out);
+        assert_eq!(s.security_context, None);
+        assert_eq!(env_value(s, "GOMAXPROCS"), None);
+        assert_eq!(env_value(s, "GOMEMLIMIT"), None);
+        let epoll = case(json!({"connections": 1_000_000}));
+        assert_eq!(env_value(server(&epoll.out), "GOMAXPROCS"), None);
+    }
+
+    #[test]
+    fn init_container_sets_namespaced_and_raises_node_sysctls() {
+        // 10M connections on one node need node-level sysctls as well.
+        let c = case(json!({"connections": 10_000_000}));
+        assert!(c.plan.sysctls.contains_key(&Sysctl::Somaxconn));
+        assert!(c.plan.sysctls.contains_key(&Sysctl::NrOpen));
+        let p = pod(&c.out);
+        let inits = p.init_containers.as_ref().unwrap();
+        assert_eq!(inits.len(), 1);
+        let init = &inits[0];
+        assert_eq!(init.name, SYSCTL_INIT_CONTAINER);
+        assert_eq!(init.image.as_deref(), Some(DEFAULT_SERVER_IMAGE));
+        assert_eq!(init.command, Some(vec!["c10m-sysctl".to_string()]));
+        let args = init.args.clone().unwrap();
+        assert_eq!(args[0], "--host-proc=/host/proc");
+        assert_eq!(args.len(), c.plan.sysctls.len() + 1, "{args:?}");
+        assert!(args.contains(&"--set=net.core.somaxconn=65535".to_string()));
+        assert!(args.contains(&"--set=net.ipv4.tcp_max_syn_backlog=65535".to_string()));
+        assert!(args.contains(&"--set=net.ipv4.tcp_migrate_req=1".to_string()));
+        assert!(args.contains(&format!("--raise-node=fs.nr_open={}", c.plan.nofile)));
+        for (sysctl, value) in &c.plan.sysctls {
+            let flag = match sysctl.scope() {
+                Scope::Node => "--raise-node",
+                Scope::Namespaced => "--set",
+            };
+            let want = format!("{flag}={}={value}", sysctl.name());
+            assert!(args.contains(&want), "{want} missing from {args:?}");
+        }
+        // Node-level values reach the host through its /proc, read-only mounted.
+        let sc = init.security_context.as_ref().unwrap();
+        assert_eq!(sc.privileged, Some(true));
+        assert_eq!(sc.run_as_user, Some(0));
+        let mounts = init.volume_mounts.as_ref().unwrap();
+        assert_eq!(
+            (
+                mounts[0].name.as_str(),
+                mounts[0].mount_path.as_str(),
+                mounts[0].read_only
+            ),
+            ("host-proc", "/host/proc", Some(true))
+        );
+        let volumes = p.volumes.as_ref().unwrap();
+        assert_eq!(volumes[0].name, "host-proc");
+        assert_eq!(volumes[0].host_path.as_ref().unwrap().path, "/proc");
+        assert_eq!(p.security_context, None, "no pod sysctls in this mode");
+        // The image may be overridden.
+        let c = case(json!({"connections": 10_000_000, "sysctls": {"image": "me/tools:1"}}));
+        assert_eq!(
+            pod(&c.out).init_containers.as_ref().unwrap()[0]
+                .image
+                .as_deref(),
+            Some("me/tools:1")
+        );
+    }
+
+    #[test]
+    fn no_init_container_without_sysctls() {
+        let mut c = case(json!({"connections": 1_000_000}));
+        assert!(pod(&c.out).init_containers.is_some());
+        c.plan.sysctls.clear();
+        let out = render(&c.fleet, &c.plan, c.owner.clone(), c.plan.shards);
+        assert_eq!(pod(&out).init_containers, None);
+        assert_eq!(
+            pod(&out).volumes,
+            None,
+            "no host /proc without the init container"
+        );
+        assert_eq!(pod(&out).security_context, None);
+    }
+
+    #[test]
+    fn pod_security_context_mode_renders_pod_sysctls_and_no_init_container() {
+        let c = case(json!({
+            "connections": 1_000_000,
+            "sysctls": {
+                "mode": "PodSecurityContext",
+                "allowedUnsafe": ["net.core.somaxconn", "net.ipv4.tcp_max_syn_backlog"]
+            }
+        }));
+        let p = pod(&c.out);
+        assert_eq!(p.init_containers, None);
+        assert_eq!(p.volumes, None);
+        let sysctls = p.security_context.as_ref().unwrap().sysctls.clone();
+        assert_eq!(
+            sysctls,
+            Some(vec![
+                PodSysctl {
+                    name: "net.core.somaxconn".into(),
+                    value: "65535".into()
+                },
+                PodSysctl {
+                    name: "net.ipv4.tcp_max_syn_backlog".into(),
+                    value: "65535".into()
+                },
+            ])
+        );
+        // Without allowed unsafe sysctls nothing the plan wants is kubelet-safe.
+        let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": "PodSecurityContext"}}));
+        assert!(c.plan.sysctls.is_empty());
+        assert_eq!(pod(&c.out).security_context, None);
+        assert_eq!(pod(&c.out).init_containers, None);
+    }
+
+    #[test]
+    fn none_mode_renders_neither_init_container_nor_pod_sysctls() {
+        let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": "None"}}));
+        let p = pod(&c.out);
+        assert_eq!(p.init_containers, None);
+        assert_eq!(p.volumes, None);
+        assert_eq!(p.security_context, None);
+        assert!(!c.plan.sysctls_not_applied.is_empty());
+    }
+
+    #[test]
+    fn drain_seconds_round_up() {
+        assert_eq!(drain_seconds(1000, 100), 10);
+        assert_eq!(drain_seconds(1001, 100), 11);
+        assert_eq!(drain_seconds(1, 1000), 1);
+        assert_eq!(drain_seconds(0, 1000), 0);
+        assert_eq!(
+            drain_seconds(5, 0),
+            5,
+            "a zero rate counts as one per second"
+        );
+    }
+
+    #[test]
+    fn grace_period_follows_the_drain_rate() {
+        for rate in [1_000i64, 7_000, 100_000] {
+            let c = case(json!({"connections": 1_000_000, "drain": {"rate": rate}}));
+            let limit = c.plan.shard_connection_limit;
+            let grace = (limit as f64 / rate as f64).ceil() as i64 + 20;
+            let p = pod(&c.out);
+            assert_eq!(
+                p.termination_grace_period_seconds,
+                Some(grace),
+                "rate {rate}"
+            );
+            let s = server(&c.out);
+            assert_eq!(
+                env_value(s, wire_env::DRAIN_TIMEOUT_SECS),
+                Some((grace - 10).to_string().as_str()),
+                "the drain ends before the grace period does"
+            );
+            assert_eq!(
+                env_value(s, wire_env::DRAIN_RATE),
+                Some(rate.to_string().as_str())
+            );
+        }
+        let slow = case(json!({"connections": 1_000_000, "drain": {"rate": 1000}}));
+        let fast = case(json!({"connections": 1_000_000, "drain": {"rate": 100000}}));
+        assert!(
+            pod(&slow.out).termination_grace_period_seconds
+                > pod(&fast.out).termination_grace_period_seconds
+        );
+    }
+
+    #[test]
+    fn env_is_the_wire_contract_with_the_plan_values() {
+        let c = case(json!({
+            "connections": 3_000_000,
+            "backend": {"protocol": "websocket"},
+            "server": {"port": 7100, "metricsPort": 9100},
+            "drain": {"rate": 2500}
+        }));
+        let s = server(&c.out);
+        let names: Vec<&str> = s.env.iter().flatten().map(|e| e.name.as_str()).collect();
+        let mut distinct = names.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), names.len(), "no env name twice: {names:?}");
+        for n in names.iter().filter(|n| n.starts_with("C10M_")) {
+            assert!(WIRE_ENV.contains(n), "{n} is not a c10m_wire::env name");
+        }
+        let p = &c.plan;
+        let expected = [
+            (wire_env::PORT, "7100".to_string()),
+            (wire_env::METRICS_PORT, "9100".to_string()),
+            (wire_env::WORKERS, p.workers.to_string()),
+            (
+                wire_env::MAX_CONNECTIONS,
+                p.shard_connection_limit.to_string(),
+            ),
+            (wire_env::NOFILE, p.nofile.to_string()),
+            (wire_env::BACKLOG, p.listen_backlog.to_string()),
+            (wire_env::PROTOCOL, "websocket".to_string()),
+            (wire_env::DRAIN_RATE, "2500".to_string()),
+        ];
+        for (name, value) in expected {
+            assert_eq!(env_value(s, name), Some(value.as_str()), "{name}");
+        }
+        // The admin token comes from the fleet's Secret, never inline.
+        let token = s
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == wire_env::ADMIN_TOKEN)
+            .unwrap();
+        assert_eq!(token.value, None);
+        let key = token
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (key.name.as_str(), key.key.as_str(), key.optional),
+            ("edge-admin", "token", Some(false))
+        );
+        assert_eq!(key.name, secret_name("edge"));
+        assert_eq!(key.key, admin::TOKEN_KEY);
+    }
+
+    #[test]
+    fn requests_equal_limits_for_guaranteed_qos() {
+        let c = case(json!({"connections": 10_000_000}));
+        let p = pod(&c.out);
+        for container in p
+            .containers
+            .iter()
+            .chain(p.init_containers.iter().flatten())
+        {
+            let r = container.resources.as_ref().unwrap();
+            assert!(r.requests.is_some(), "{}", container.name);
+            assert_eq!(r.requests, r.limits, "{}", container.name);
+            let limits = r.limits.as_ref().unwrap();
+            assert!(
+                limits.contains_key("cpu") && limits.contains_key("memory"),
+                "{}",
+                container.name
+            );
+        }
+        let limits = server(&c.out)
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .clone()
+            .unwrap();
+        assert_eq!(limits["cpu"], Quantity(c.plan.cpus.to_string()));
+        assert_eq!(
+            limits["memory"],
+            Quantity(c.plan.memory_limit_bytes.to_string())
+        );
+    }
+
+    #[test]
+    fn probes_use_the_wire_healthz_path_on_the_metrics_port() {
+        let c =
+            case(json!({"connections": 1_000_000, "server": {"port": 7100, "metricsPort": 9100}}));
+        let s = server(&c.out);
+        for probe in [&s.readiness_probe, &s.liveness_probe] {
+            let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+            assert_eq!(get.path.as_deref(), Some("/healthz"));
+            assert_eq!(get.port, IntOrString::String("metrics".into()));
+        }
+        let ports = s.ports.as_ref().unwrap();
+        let port = |name: &str| {
+            ports
+                .iter()
+                .find(|p| p.name.as_deref() == Some(name))
+                .map(|p| p.container_port)
+        };
+        assert_eq!(port(admin::PORT_NAME), Some(9100));
+        assert_eq!(port(CONNECTION_PORT_NAME), Some(7100));
+        let annotations = c
+            .out
+            .deployment
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .annotations
+            .clone()
+            .unwrap();
+        assert_eq!(annotations["prometheus.io/port"], "9100");
+        assert_eq!(annotations["prometheus.io/path"], admin::METRICS_PATH);
+    }
+
+    #[test]
+    fn service_and_pdb_select_the_fleet_pods() {
+        let c = case(
+            json!({"connections": 1_000_000, "server": {"port": 7100, "serviceType": "NodePort"}}),
+        );
+        let d = c.out.deployment.spec.as_ref().unwrap();
+        let want = BTreeMap::from([(FLEET_LABEL.to_string(), "edge".to_string())]);
+        assert_eq!(d.selector.match_labels.as_ref(), Some(&want));
+        let pod_labels = d
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .clone()
+            .unwrap();
+        for (k, v) in &want {
+            assert_eq!(pod_labels.get(k), Some(v), "the pods carry the selector");
+        }
+        let svc = c.out.service.spec.as_ref().unwrap();
+        assert_eq!(svc.selector.as_ref(), Some(&want));
+        assert_eq!(svc.type_.as_deref(), Some("NodePort"));
+        let ports = svc.ports.as_ref().unwrap();
+        assert_eq!(ports.len(), 1);
+        assert_eq!(ports[0].port, 7100);
+        assert_eq!(
+            ports[0].target_port,
+            Some(IntOrString::String(CONNECTION_PORT_NAME.into()))
+        );
+        let pdb = c.out.pdb.spec.as_ref().unwrap();
+        assert_eq!(pdb.max_unavailable, Some(IntOrString::Int(1)));
+        assert_eq!(pdb.min_available, None);
+        assert_eq!(
+            pdb.selector.as_ref().unwrap().match_labels.as_ref(),
+            Some(&want)
+        );
+    }
+
+    #[test]
+    fn every_object_is_named_labelled_and_owned_by_the_fleet() {
+        let c = case(json!({"connections": 1_000_000}));
+        assert_eq!(c.owner.controller, Some(true));
+        assert_eq!(c.owner.uid, "0b6c1d1e-fleet-uid");
+        assert_eq!(c.owner.kind, "ConnectionFleet");
+        for meta in [
+            &c.out.deployment.metadata,
+            &c.out.service.metadata,
+            &c.out.pdb.metadata,
+        ] {
+            assert_eq!(meta.name.as_deref(), Some("edge"));
+            assert_eq!(meta.namespace.as_deref(), Some("prod"));
+            assert_eq!(meta.labels, Some(labels("edge")));
+            assert_eq!(meta.owner_references, Some(vec![c.owner.clone()]));
+        }
+        let template = c
+            .out
+            .deployment
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .metadata
+            .clone();
+        assert_eq!(template.unwrap().labels, Some(labels("edge")));
+        assert_eq!(c.fleet.metadata.name.as_deref(), Some("edge"));
+    }
+
+    #[test]
+    fn replicas_are_the_given_count_rolled_one_at_a_time() {
+        let c = case(json!({"connections": 1_000_000}));
+        let out = render(&c.fleet, &c.plan, c.owner.clone(), c.plan.shards + 3);
+        let spec = out.deployment.spec.unwrap();
+        assert_eq!(spec.replicas, Some(c.plan.shards + 3));
+        let rolling = spec.strategy.unwrap().rolling_update.unwrap();
+        assert_eq!(rolling.max_surge, Some(IntOrString::Int(0)));
+        assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(1)));
+    }
+
+    /// What the server makes of the rendered env, parsed by its own config
+    /// parser (`c10m_server::Config`), with the Secret's token filled in.
+    fn server_config(c: &Case) -> c10m_server::Config {
+        let pairs: Vec<(String, String)> = server(&c.out)
+            .env
+            .iter()
+            .flatten()
+            .map(|e| {
+                let value = match (&e.value, &e.value_from) {
+                    (Some(v), None) => v.clone(),
+                    (None, Some(from)) => {
+                        let key = from.secret_key_ref.as_ref().expect("only Secret refs");
+                        assert_eq!(key.name, secret_name("edge"));
+                        "t0ken-from-the-secret".to_string()
+                    }
+                    other => panic!("env {} has {other:?}", e.name),
+                };
+                (e.name.clone(), value)
+            })
+            .collect();
+        c10m_server::Config::from_env_pairs(pairs).expect("the server accepts its rendered env")
+    }
+
+    #[test]
+    fn the_server_parses_the_rendered_env_as_planned() {
+        use clap::CommandFactory;
+        let read_by_server: Vec<String> = c10m_server::Config::command()
+            .get_arguments()
+            .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+            .collect();
+        for (protocol, want) in [
+            ("echo", c10m_server::Protocol::Echo),
+            ("websocket", c10m_server::Protocol::Websocket),
+        ] {
+            let c = case(json!({
+                "connections": 2_000_000,
+                "backend": {"protocol": protocol},
+                "server": {"port": 7100, "metricsPort": 9100},
+                "drain": {"rate": 3000}
+            }));
+            for e in server(&c.out).env.iter().flatten() {
+                if e.name.starts_with("C10M_") {
+                    assert!(
+                        read_by_server.contains(&e.name),
+                        "{} is rendered but the server does not read it",
+                        e.name
+                    );
+                }
+            }
+            let cfg = server_config(&c);
+            let p = &c.plan;
+            assert_eq!(cfg.protocol, want, "{protocol}");
+            assert_eq!((cfg.port, cfg.metrics_port), (7100, 9100));
+            assert_eq!(cfg.workers.map(i32::from), Some(p.workers));
+            assert_eq!(cfg.max_connections as i64, p.shard_connection_limit);
+            assert_eq!(cfg.nofile.map(|n| n as i64), Some(p.nofile));
+            assert_eq!(cfg.backlog as i64, p.listen_backlog);
+            assert_eq!(cfg.drain_rate, 3000.0);
+            let grace = pod(&c.out).termination_grace_period_seconds.unwrap();
+            assert_eq!(cfg.drain_timeout_secs as i64, grace - 10);
+            assert!(cfg.drain_timeout_secs as i64 >= drain_seconds(p.shard_connection_limit, 3000));
+            assert_eq!(
+                cfg.admin_token().unwrap().as_deref(),
+                Some("t0ken-from-the-secret")
+            );
+            // The plan's values, not the server's defaults.
+            assert_ne!(
+                cfg.max_connections,
+                c10m_server::config::DEFAULT_MAX_CONNECTIONS
+            );
+            assert_ne!(
+                cfg.drain_timeout_secs,
+                c10m_server::config::DEFAULT_DRAIN_TIMEOUT_SECS
+            );
+        }
+    }
+}
