@@ -444,4 +444,288 @@ mod tests {
         assert_eq!(d.observed_generation, Some(2));
         assert_eq!(s2.plan, Some(p), "the running plan stays visible");
     }
+
+    fn plan_for(spec: serde_json::Value) -> Plan {
+        let spec: ConnectionFleetSpec = serde_json::from_value(spec).unwrap();
+        plan(
+            &spec,
+            NodeFacts {
+                memory_bytes: 256 << 30,
+                cpus: 64,
+                pods: 110,
+            },
+        )
+        .unwrap()
+    }
+
+    fn rolled_out(p: &Plan) -> Outcome {
+        Outcome::Applied {
+            plan: p.clone(),
+            shards: Shards {
+                desired: p.shards,
+                ready: p.shards,
+                updated: p.shards,
+                total: p.shards,
+                observed: true,
+            },
+        }
+    }
+
+    fn warnings(events: &[Announcement]) -> Vec<&Announcement> {
+        events.iter().filter(|e| e.warning).collect()
+    }
+
+    #[test]
+    fn a_rejected_fleet_warns_once() {
+        let message = "spec.shard.cpus (8) exceeds spec.node.cpus (4)";
+        let bad = Outcome::Rejected {
+            reason: Reason::PlanInfeasible,
+            message: message.into(),
+        };
+        let s1 = next_status(None, 3, 1000, &bad, &t(1));
+        assert_eq!(
+            announcements(None, &s1, &bad, &[]),
+            vec![Announcement::warning(
+                Reason::PlanInfeasible,
+                EventAction::Plan,
+                message
+            )]
+        );
+        let s2 = next_status(Some(&s1), 3, 1000, &bad, &t(2));
+        assert_eq!(s2, s1, "the same rejection writes no new status");
+        assert_eq!(announcements(Some(&s1), &s2, &bad, &[]), vec![]);
+        // A different rejection is news.
+        let other = Outcome::Rejected {
+            reason: Reason::InvalidSpec,
+            message: "backend.userBytesPerConnection is required".into(),
+        };
+        let s3 = next_status(Some(&s2), 4, 1000, &other, &t(3));
+        assert_eq!(
+            announcements(Some(&s2), &s3, &other, &[]),
+            vec![Announcement::warning(
+                Reason::InvalidSpec,
+                EventAction::Plan,
+                "backend.userBytesPerConnection is required"
+            )]
+        );
+    }
+
+    #[test]
+    fn a_failed_call_warns_once_as_a_reconcile_event() {
+        let p = a_plan();
+        let s0 = next_status(None, 1, 1_000_000, &rolled_out(&p), &t(1));
+        let failed = Outcome::Failed {
+            plan: Some(p.clone()),
+            reason: Reason::ApplyFailed,
+            message: "apply Deployment edge: etcd is down (500)".into(),
+        };
+        let s1 = next_status(Some(&s0), 1, 1_000_000, &failed, &t(2));
+        assert_eq!(
+            announcements(Some(&s0), &s1, &failed, &[]),
+            vec![Announcement::warning(
+                Reason::ApplyFailed,
+                EventAction::Reconcile,
+                "apply Deployment edge: etcd is down (500)"
+            )],
+            "the plan is unchanged, so only the failure is announced"
+        );
+        let s2 = next_status(Some(&s1), 1, 1_000_000, &failed, &t(3));
+        assert_eq!(s2, s1);
+        assert_eq!(announcements(Some(&s1), &s2, &failed, &[]), vec![]);
+    }
+
+    #[test]
+    fn a_steady_applied_fleet_announces_nothing() {
+        let p = a_plan();
+        let done = rolled_out(&p);
+        let mut prev = next_status(None, 1, 1_000_000, &done, &t(1));
+        let first = announcements(None, &prev, &done, &[]);
+        assert_eq!(first.len(), 1, "{first:?}");
+        assert_eq!(
+            (first[0].reason, first[0].warning),
+            (Reason::PlanChanged, false)
+        );
+        for second in 2..5 {
+            let next = next_status(Some(&prev), 1, 1_000_000, &done, &t(second));
+            assert_eq!(announcements(Some(&prev), &next, &done, &[]), vec![]);
+            prev = next;
+        }
+    }
+
+    #[test]
+    fn a_new_plan_is_announced_once() {
+        let p1 = a_plan();
+        let p2 = plan_for(serde_json::json!({"connections": 3_000_000}));
+        assert_ne!(p1, p2);
+        let s1 = next_status(None, 1, 1_000_000, &rolled_out(&p1), &t(1));
+        let done = rolled_out(&p2);
+        let s2 = next_status(Some(&s1), 2, 3_000_000, &done, &t(2));
+        let events = announcements(Some(&s1), &s2, &done, &[]);
+        assert_eq!(
+            events,
+            vec![Announcement::normal(
+                Reason::PlanChanged,
+                EventAction::Plan,
+                format!(
+                    "{} shards × {} connections ({} per node, {} nodes), limited by {}",
+                    p2.shards,
+                    p2.connections_per_shard,
+                    p2.shards_per_node,
+                    p2.nodes,
+                    p2.limiting_factor.as_str()
+                )
+            )]
+        );
+        let s3 = next_status(Some(&s2), 2, 3_000_000, &done, &t(3));
+        assert_eq!(announcements(Some(&s2), &s3, &done, &[]), vec![]);
+    }
+
+    #[test]
+    fn metrics_available_flips_are_announced_both_ways() {
+        let p = a_plan();
+        let done = rolled_out(&p);
+        let steady = |prev: &ConnectionFleetStatus, ok: bool, reason: Reason, msg: &str, at| {
+            let mut s = next_status(Some(prev), 1, 1_000_000, &done, &t(at));
+            set_condition(
+                &mut s.conditions,
+                METRICS_AVAILABLE,
+                ok,
+                reason,
+                msg.into(),
+                1,
+                &t(at),
+            );
+            s
+        };
+        let s0 = next_status(None, 1, 1_000_000, &done, &t(1));
+        // First reading fails: a Warning (no earlier condition).
+        let s1 = steady(&s0, false, Reason::NoSamples, "no samples", 2);
+        assert_eq!(
+            announcements(Some(&s0), &s1, &done, &[]),
+            vec![Announcement::warning(
+                Reason::NoSamples,
+                EventAction::ReadMetrics,
+                "no samples"
+            )]
+        );
+        // Back: Normal.
+        let s2 = steady(
+            &s1,
+            true,
+            Reason::MetricsRead,
+            "1200 live connections on 4 shards",
+            3,
+        );
+        assert_eq!(
+            announcements(Some(&s1), &s2, &done, &[]),
+            vec![Announcement::normal(
+                Reason::MetricsRead,
+                EventAction::ReadMetrics,
+                "1200 live connections on 4 shards"
+            )]
+        );
+        // Still read, other numbers: nothing.
+        let s3 = steady(
+            &s2,
+            true,
+            Reason::MetricsRead,
+            "1300 live connections on 4 shards",
+            4,
+        );
+        assert_eq!(announcements(Some(&s2), &s3, &done, &[]), vec![]);
+        // Lost again: Warning, with the new reason.
+        let s4 = steady(
+            &s3,
+            false,
+            Reason::PrometheusUnreachable,
+            "connection refused",
+            5,
+        );
+        assert_eq!(
+            announcements(Some(&s3), &s4, &done, &[]),
+            vec![Announcement::warning(
+                Reason::PrometheusUnreachable,
+                EventAction::ReadMetrics,
+                "connection refused"
+            )]
+        );
+        // Still lost, for another reason: no repeat.
+        let s5 = steady(&s4, false, Reason::StaleSamples, "samples are 90 s old", 6);
+        assert_eq!(announcements(Some(&s4), &s5, &done, &[]), vec![]);
+    }
+
+    #[test]
+    fn loop_events_are_passed_on_in_order() {
+        let p = a_plan();
+        let done = rolled_out(&p);
+        let s1 = next_status(None, 1, 1_000_000, &done, &t(1));
+        let s2 = next_status(Some(&s1), 1, 1_000_000, &done, &t(2));
+        let looped = vec![
+            Announcement::normal(Reason::ScaledOut, EventAction::Autoscale, "2 → 3 shards"),
+            Announcement::warning(Reason::ShedFailed, EventAction::Autoscale, "timeout"),
+        ];
+        assert_eq!(announcements(Some(&s1), &s2, &done, &looped), looped);
+    }
+
+    #[test]
+    fn max_shards_warns_once_and_not_again_for_a_new_message() {
+        let p = plan_for(serde_json::json!({"connections": 10_000_000, "shard": {"maxShards": 1}}));
+        assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
+        assert!(p.capacity < 10_000_000);
+        let done = rolled_out(&p);
+        let s1 = next_status(None, 1, 10_000_000, &done, &t(1));
+        let first = announcements(None, &s1, &done, &[]);
+        let degraded = condition(&s1, DEGRADED).unwrap();
+        assert_eq!(
+            warnings(&first),
+            vec![&Announcement::warning(
+                Reason::MaxShardsReached,
+                EventAction::Plan,
+                degraded.message.clone()
+            )]
+        );
+        assert!(
+            degraded.message.contains("10000000 declared"),
+            "{}",
+            degraded.message
+        );
+        // More connections declared, same plan: the message changes, the news does not.
+        let s2 = next_status(Some(&s1), 2, 12_000_000, &done, &t(2));
+        let d2 = condition(&s2, DEGRADED).unwrap();
+        assert_ne!(d2.message, degraded.message);
+        assert_eq!(d2.status, "True");
+        assert_eq!(announcements(Some(&s1), &s2, &done, &[]), vec![]);
+    }
+
+    #[test]
+    fn sysctls_not_applied_warns_once() {
+        let p = plan_for(serde_json::json!({
+            "connections": 1_000_000,
+            "sysctls": {"mode": "PodSecurityContext"}
+        }));
+        assert!(!p.sysctls_not_applied.is_empty());
+        let done = rolled_out(&p);
+        let s1 = next_status(None, 1, 1_000_000, &done, &t(1));
+        let first = announcements(None, &s1, &done, &[]);
+        let c = condition(&s1, SYSCTLS_APPLIED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "NotAllowedInMode")
+        );
+        assert_eq!(
+            warnings(&first),
+            vec![&Announcement::warning(
+                Reason::SysctlsNotApplied,
+                EventAction::Plan,
+                c.message.clone()
+            )]
+        );
+        assert!(c.message.contains("net.core.somaxconn"), "{}", c.message);
+        let s2 = next_status(Some(&s1), 1, 1_000_000, &done, &t(2));
+        assert_eq!(announcements(Some(&s1), &s2, &done, &[]), vec![]);
+        // With every sysctl applied there is nothing to warn about.
+        let ok = rolled_out(&a_plan());
+        let s = next_status(None, 1, 1_000_000, &ok, &t(1));
+        assert!(warnings(&announcements(None, &s, &ok, &[])).is_empty());
+    }
 }
