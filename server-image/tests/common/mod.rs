@@ -150,7 +150,10 @@ impl Server {
                     current: Some(n),
                     maximum: Some(n),
                 };
-                // SAFETY: setrlimit is a single async-signal-safe syscall.
+                // SAFETY: the pre-exec hook runs in the forked child, where
+                // only async-signal-safe calls are allowed: setrlimit is one
+                // syscall and allocates nothing.
+                #[allow(unsafe_code)]
                 unsafe {
                     cmd.pre_exec(move || {
                         rustix::process::setrlimit(rustix::process::Resource::Nofile, lim)
