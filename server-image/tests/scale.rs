@@ -134,24 +134,9 @@ fn holds_40k_connections_across_3_processes_with_zero_errors() {
 }
 
 /// Connects from `src` (port chosen at connect time) to `dst`, blocking.
-/// `IP_BIND_ADDRESS_NO_PORT` has no safe wrapper in socket2 or rustix.
-#[allow(unsafe_code)]
 fn connect_from(src: Ipv4Addr, dst: SocketAddr) -> TcpStream {
-    use std::os::fd::AsRawFd;
     let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    let one: libc::c_int = 1;
-    // SAFETY: setsockopt on a socket we own, with a pointer to a live c_int
-    // and its size.
-    let rc = unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::IPPROTO_IP,
-            libc::IP_BIND_ADDRESS_NO_PORT,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0);
+    c10m_loadgen::bind_address_no_port(&s).unwrap();
     s.bind(&SocketAddr::from((src, 0)).into()).unwrap();
     s.connect(&dst.into()).unwrap();
     let s: TcpStream = s.into();

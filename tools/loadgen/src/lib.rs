@@ -417,9 +417,10 @@ struct Gen {
 /// Sets `IP_BIND_ADDRESS_NO_PORT` (Linux 4.2+) on `s`: a later `bind` to a
 /// source address with port 0 leaves the port to `connect`, so every
 /// (source, destination) pair gets the whole local port range. Neither
-/// socket2 nor rustix wraps this option.
+/// socket2 nor rustix wraps this option. The server's scale test opens its
+/// abusive connections with it too.
 #[allow(unsafe_code)]
-fn bind_address_no_port(s: &Socket) -> io::Result<()> {
+pub fn bind_address_no_port(s: &Socket) -> io::Result<()> {
     let one: libc::c_int = 1;
     // SAFETY: `s` is an open socket we own for the whole call, and the
     // option value points to a live `c_int` whose size is passed with it.
