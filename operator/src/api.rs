@@ -397,7 +397,7 @@ pub struct Backend {
     /// caps connections per shard at this × shard.cpus. Unset: idle-ish
     /// connections, bounded by memory and file descriptors instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 10_000_000_000i64))]
     pub connections_per_cpu: Option<i64>,
 }
 
@@ -454,7 +454,11 @@ impl Protocol {
 /// Node profile: what one node offers the fleet.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = kube::core::Rule::new("!has(self.memory) || (type(self.memory) == int ? self.memory >= 67108864 : (isQuantity(self.memory) && quantity(self.memory).compareTo(quantity('64Mi')) >= 0 && quantity(self.memory).compareTo(quantity('1Pi')) <= 0))").message("node.memory must be a quantity between 64Mi and 1Pi").field_path(".memory"))]
+#[x_kube(validation = kube::core::Rule::new(format!(
+    "!has(self.memory) || (type(self.memory) == int ? (self.memory >= {MIN_NODE_MEMORY_BYTES} && self.memory <= {MAX_NODE_MEMORY_BYTES}) : \
+     (size(self.memory) <= {MAX_QUANTITY_LENGTH} && self.memory.matches('{QUANTITY_PATTERN}') && \
+     isQuantity(self.memory) && quantity(self.memory).compareTo(quantity('64Mi')) >= 0 && quantity(self.memory).compareTo(quantity('1Pi')) <= 0))"
+)).message("node.memory must be a quantity between 64Mi and 1Pi (at most 32 characters, a decimal exponent of at most 2 digits)").field_path(".memory"))]
 pub struct NodeProfile {
     /// Memory of one node available to pods (a quantity such as 256Gi).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -495,16 +499,32 @@ pub struct NodeProfile {
     pub nofile_hard_limit: Option<i64>,
 }
 
-/// Pattern of a Kubernetes resource quantity without a sign (as controller-gen
-/// emits for `resource.Quantity`, minus the sign).
-pub const QUANTITY_PATTERN: &str = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$";
+/// Pattern of a memory quantity without a sign, with bounded parts: at most
+/// 20 digits on each side of the point and a decimal exponent of at most 2
+/// digits. Kubernetes' own quantity pattern admits any exponent, and
+/// parsing `2E6024865272343` in a CEL `quantity()` pins a kube-apiserver
+/// core (the kind of kubernetes#131063); with this pattern (checked first,
+/// inside the CEL rule too) no such string reaches a quantity parser. No
+/// backslashes, so the same text serves as a CEL string literal.
+pub const QUANTITY_PATTERN: &str = "^(([0-9]{1,20}([.][0-9]{0,20})?)|([.][0-9]{1,20}))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$";
+
+/// Longest memory quantity string admitted, in characters.
+pub const MAX_QUANTITY_LENGTH: usize = 32;
+
+/// Smallest node memory a plan accepts, in bytes (64 MiB: one shard's base).
+pub const MIN_NODE_MEMORY_BYTES: i64 = 64 << 20;
+
+/// Largest node memory a plan accepts, in bytes (1 PiB).
+pub const MAX_NODE_MEMORY_BYTES: i64 = 1 << 50;
 
 fn quantity_schema(_: &mut SchemaGenerator) -> Schema {
     json_schema!({
         "x-kubernetes-int-or-string": true,
         "anyOf": [{"type": "integer"}, {"type": "string"}],
         "pattern": QUANTITY_PATTERN,
-        "minimum": 1,
+        "maxLength": MAX_QUANTITY_LENGTH,
+        "minimum": MIN_NODE_MEMORY_BYTES,
+        "maximum": MAX_NODE_MEMORY_BYTES,
         "description": "Memory of one node available to pods, as a Kubernetes quantity (256Gi, 64G, 1073741824)."
     })
 }
@@ -744,7 +764,11 @@ mod tests {
         );
         assert!(s.contains("self.maxShards >= self.minShards"));
         assert!(s.contains("self.model != 'custom' || has(self.userBytesPerConnection)"));
-        assert!(s.contains(QUANTITY_PATTERN.replace('\\', "\\\\").as_str()));
+        assert!(s.contains(QUANTITY_PATTERN));
+        assert!(
+            s.contains(&format!("matches('{QUANTITY_PATTERN}')")),
+            "the CEL rule checks the same pattern before parsing"
+        );
         assert!(
             s.contains(r#""enum":["epoll","goroutine","custom"]"#),
             "{s}"

@@ -79,17 +79,21 @@ impl Inputs {
     }
 
     /// Memory limit of a shard container with cap `l`, rounded up to MiB.
+    /// Computed in `i128` (cap × bytes passes `i64` for a 1 GiB custom
+    /// backend near the connection bound) and saturated: a limit that
+    /// large fits no node, so the memory check refuses it.
     fn memory_limit(&self, l: i64) -> i64 {
-        round_up(
-            PROCESS_BASE_BYTES + l * (self.user + self.kernel_pod),
-            1 << 20,
-        )
+        let bytes = PROCESS_BASE_BYTES as i128 + l as i128 * (self.user + self.kernel_pod) as i128;
+        saturate(ceil_div_wide(bytes, 1 << 20) * (1 << 20))
     }
 
     /// Node bytes one shard with cap `l` uses: its container limit plus the
-    /// kernel bytes charged outside its cgroup.
+    /// kernel bytes charged outside its cgroup (saturated like
+    /// [`Self::memory_limit`]).
     fn node_bytes_per_shard(&self, l: i64) -> i64 {
-        self.memory_limit(l) + l * (self.kernel_node - self.kernel_pod)
+        saturate(
+            self.memory_limit(l) as i128 + l as i128 * (self.kernel_node - self.kernel_pod) as i128,
+        )
     }
 
     /// Constraints violated by `s` shards per node of `n` declared connections
@@ -113,7 +117,9 @@ impl Inputs {
         {
             v.push(LimitingFactor::Nofile);
         }
-        if self.connections_per_cpu.is_some_and(|c| l > c * self.cpus)
+        if self
+            .connections_per_cpu
+            .is_some_and(|c| l as i128 > c as i128 * self.cpus as i128)
             || s * self.cpus > self.node.cpus
         {
             v.push(LimitingFactor::Cpu);
@@ -180,8 +186,13 @@ fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
 }
 
-fn round_up(a: i64, unit: i64) -> i64 {
-    ceil_div(a, unit) * unit
+fn ceil_div_wide(a: i128, b: i128) -> i128 {
+    (a + b - 1) / b
+}
+
+/// `x` as `i64`, `i64::MAX` when it does not fit.
+fn saturate(x: i128) -> i64 {
+    i64::try_from(x).unwrap_or(i64::MAX)
 }
 
 /// Computes the plan for `spec` on nodes like `node`.
@@ -311,7 +322,8 @@ pub const SIZE_STEPS: i64 = 16;
 
 /// `n` rounded up to the next step of `max` ÷ [`SIZE_STEPS`], at most `max`.
 pub fn size_step(n: i64, max: i64) -> i64 {
-    round_up(n, ceil_div(max, SIZE_STEPS).max(1)).min(max)
+    let step = ceil_div(max, SIZE_STEPS).max(1);
+    (ceil_div(n, step) * step).min(max)
 }
 
 /// Hours in a billing month, as cloud price sheets count them (8,760 h ÷ 12).
@@ -540,6 +552,37 @@ mod tests {
         let p = plan(&s, NODE).unwrap();
         assert_eq!(p.limiting_factor, LimitingFactor::Cpu);
         assert!(p.shard_connection_limit <= 80_000);
+    }
+
+    /// Issue 10 inputs: a schema-valid `connectionsPerCpu` used to overflow
+    /// (a panic in debug builds, 1000 shards × 6 connections in release).
+    #[test]
+    fn huge_connections_per_cpu_is_refused_naming_the_field() {
+        for c in [i64::MAX, 2_305_843_009_213_693_953, 10_000_000_001] {
+            let s = spec(
+                serde_json::json!({"connections": 1_000_000, "backend": {"connectionsPerCpu": c}}),
+            );
+            let err = plan(&s, NODE).unwrap_err().to_string();
+            assert!(err.contains("spec.backend.connectionsPerCpu"), "{err}");
+        }
+        // At the bound it plans, and CPU does not bind.
+        let s = spec(serde_json::json!({"connections": 1_000_000,
+            "backend": {"connectionsPerCpu": 10_000_000_000i64}}));
+        let p = plan(&s, NODE).unwrap();
+        assert_ne!(p.limiting_factor, LimitingFactor::Cpu);
+        assert_eq!(p.shards as i64 * p.connections_per_shard, 1_000_000);
+    }
+
+    /// Another unbounded product of the same kind: cap × bytes for a 1 GiB
+    /// custom backend at the connection bound passes `i64`.
+    #[test]
+    fn largest_custom_backend_does_not_overflow() {
+        let s = spec(serde_json::json!({"connections": 10_000_000_000i64,
+            "backend": {"model": "custom", "userBytesPerConnection": 1_073_741_824},
+            "shard": {"headroomPercent": 90, "maxShards": 100_000}}));
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
+        assert!(check(&s, &p).is_empty());
     }
 
     #[test]

@@ -22,3 +22,6 @@ pub use capacity::{
 };
 pub use error::PlanError;
 pub use nodes::NodeFacts;
+
+#[cfg(test)]
+mod admitted;

@@ -6,7 +6,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
 
 use super::PlanError;
-use crate::api::ConnectionFleetSpec;
+use crate::api::{
+    ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH, MIN_NODE_MEMORY_BYTES,
+    QUANTITY_PATTERN,
+};
 
 /// The node one shard runs on, resolved from the spec or the cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +51,27 @@ pub fn smallest_allocatable(nodes: &[Node]) -> Option<NodeFacts> {
         .min_by_key(|f| (f.memory_bytes, f.cpus))
 }
 
+/// `spec.node.memory` in bytes, with the schema's bounds checked offline
+/// too: at most [`MAX_QUANTITY_LENGTH`] characters matching
+/// [`QUANTITY_PATTERN`] (so no huge exponent reaches the parser), then
+/// 64Mi..=1Pi. Errors name the field.
+fn spec_memory(q: &Quantity) -> Result<i64, PlanError> {
+    static PATTERN: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(QUANTITY_PATTERN).expect("a valid pattern"));
+    let bad = || {
+        PlanError::Invalid(format!(
+            "spec.node.memory must be a quantity between 64Mi and 1Pi (at most {MAX_QUANTITY_LENGTH} characters, a decimal exponent of at most 2 digits), got {:?}",
+            q.0
+        ))
+    };
+    if q.0.len() > MAX_QUANTITY_LENGTH || !PATTERN.is_match(&q.0) {
+        return Err(bad());
+    }
+    quantity_units(q)
+        .filter(|b| (MIN_NODE_MEMORY_BYTES..=MAX_NODE_MEMORY_BYTES).contains(b))
+        .ok_or_else(bad)
+}
+
 /// Node profile for the spec: each `spec.node` field wins, the observed
 /// node fills the rest. Errors name the fields to set when neither has a value.
 pub fn resolve(
@@ -56,12 +80,7 @@ pub fn resolve(
 ) -> Result<NodeFacts, PlanError> {
     let profile = spec.node.clone().unwrap_or_default();
     let memory = match &profile.memory {
-        Some(q) => Some(quantity_units(q).ok_or_else(|| {
-            PlanError::Invalid(format!(
-                "spec.node.memory: {:?} is not a valid quantity",
-                q.0
-            ))
-        })?),
+        Some(q) => Some(spec_memory(q)?),
         None => observed.map(|o| o.memory_bytes),
     };
     let cpus = profile.cpus.map(i64::from).or(observed.map(|o| o.cpus));
@@ -71,7 +90,7 @@ pub fn resolve(
             spec.placement.node_selector
         )));
     };
-    if memory_bytes < 64 << 20 {
+    if memory_bytes < MIN_NODE_MEMORY_BYTES {
         return Err(PlanError::Invalid(format!(
             "spec.node.memory must be at least 64Mi, got {memory_bytes} bytes"
         )));
@@ -110,6 +129,48 @@ mod tests {
         assert_eq!(quantity_units(&Quantity("63500m".into())), Some(63));
         assert_eq!(quantity_units(&Quantity("1G".into())), Some(1_000_000_000));
         assert_eq!(quantity_units(&Quantity("bogus".into())), None);
+    }
+
+    /// Issue 10 input: a huge decimal exponent matched the old pattern and
+    /// pinned kube-apiserver's quantity parser; offline it is refused by the
+    /// bounded pattern before any parser sees it, as are its kin.
+    #[test]
+    fn memory_quantities_are_bounded_before_parsing() {
+        let with_memory = |m: serde_json::Value| -> ConnectionFleetSpec {
+            serde_json::from_value(
+                serde_json::json!({"connections": 1, "node": {"memory": m, "cpus": 4}}),
+            )
+            .unwrap()
+        };
+        for bad in [
+            serde_json::json!("2E6024865272343"),
+            serde_json::json!("1e100"),
+            serde_json::json!("123456789012345678901234567890Ki"),
+            serde_json::json!("2Pi"),
+            serde_json::json!("63Mi"),
+            serde_json::json!(1_125_899_906_842_625i64),
+        ] {
+            let started = std::time::Instant::now();
+            let err = resolve(&with_memory(bad.clone()), None)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("spec.node.memory"), "{bad}: {err}");
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(1),
+                "{bad}"
+            );
+        }
+        for (good, bytes) in [
+            (serde_json::json!("64Mi"), 64i64 << 20),
+            (serde_json::json!("1Pi"), 1 << 50),
+            (serde_json::json!("1e12"), 1_000_000_000_000),
+            (serde_json::json!(1_125_899_906_842_624i64), 1 << 50),
+        ] {
+            assert_eq!(
+                resolve(&with_memory(good), None).unwrap().memory_bytes,
+                bytes
+            );
+        }
     }
 
     #[test]

@@ -77,6 +77,13 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
             sh.max_shards, sh.min_shards
         ));
     }
+    if let Some(c) = spec.backend.connections_per_cpu
+        && !(1..=crate::api::MAX_CONNECTIONS).contains(&c)
+    {
+        return bad(format!(
+            "spec.backend.connectionsPerCpu must be 1..=10000000000, got {c}"
+        ));
+    }
     if !(0..=100).contains(&spec.backend.queued_percent) {
         return bad(format!(
             "spec.backend.queuedPercent must be 0..=100, got {}",
