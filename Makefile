@@ -9,6 +9,8 @@ export C10M_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/c10m
 export C10M_STATE ?= $(C10M_CACHE)/cluster
 LOCAL_KUBECONFIG := $(C10M_STATE)/kubeconfig
 OPERATOR := target/debug/c10m-operator
+# The operator's modules from the leaves up: none may import one listed after it.
+OPERATOR_LAYERS := names,reason,telemetry,api,plan,render,autoscale,status,reconcile,controller,table
 
 .PHONY: help deps build cluster-up demo down test test-unit lint crd measure-server
 
@@ -16,7 +18,7 @@ help:
 	@echo "make demo              local control plane + operator + example fleet (CLUSTER=current: your kubectl context)"
 	@echo "make down              stop the demo operator and the local control plane"
 	@echo "make test              unit, property and end-to-end tests (brings the plane up and down itself)"
-	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, helm lint"
+	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, module layers, helm lint"
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
 	@echo "make measure-server    c10m-server memory per idle connection, one process (JSON)"
 	@echo "make bench-server      c10m-server vs tokio-naive vs floor probe, 150k connections each (target/bench/server.json)"
@@ -49,7 +51,8 @@ test-unit:
 lint: deps
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	"$$(bash tests/cluster/build.sh | tail -n1)/helm" lint --strict charts/c10m-operator
+	python3 tools/module_graph.py operator/src --order $(OPERATOR_LAYERS)
+	bin=$$(bash tests/cluster/build.sh | tail -n1); "$$bin/helm" lint --strict charts/c10m-operator
 
 crd: build
 	$(OPERATOR) crd > crds/connectionfleet.yaml

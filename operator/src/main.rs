@@ -233,6 +233,7 @@ fn main() -> std::process::ExitCode {
 /// Printing subcommands die quietly when their reader goes away (`| head`),
 /// as command-line tools do; the controller keeps Rust's ignored SIGPIPE so a
 /// closed socket is an error, not a signal.
+#[allow(unsafe_code)]
 fn default_sigpipe() {
     // SAFETY: restoring the default disposition of a signal has no preconditions.
     unsafe {

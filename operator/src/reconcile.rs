@@ -262,6 +262,9 @@ impl Context {
 }
 
 /// How the pipeline ended, for [`report::report`].
+// One value per reconcile, moved once into the report: the size of the
+// variants holding a plan costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Ended {
     /// The fleet cannot be reconciled as it stands (spec, node profile or
     /// an object in the way): nothing changes until they do.
@@ -314,6 +317,8 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
 }
 
 /// observe → plan → metrics loop → render → apply; `Err` ends it early.
+// `Err` is how the pipeline ended, not a cheap error value (see [`Ended`]).
+#[allow(clippy::result_large_err)]
 async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended> {
     let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
     let owner = fleet
@@ -351,6 +356,7 @@ fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ende
 }
 
 /// The plan step: a plan, or the rejection naming what to change.
+#[allow(clippy::result_large_err)]
 fn plan_fleet(fleet: &ConnectionFleet, node: Result<NodeFacts, PlanError>) -> Result<Plan, Ended> {
     let rejected = |reason, e: PlanError| Ended::Rejected {
         reason,
@@ -363,6 +369,7 @@ fn plan_fleet(fleet: &ConnectionFleet, node: Result<NodeFacts, PlanError>) -> Re
     })
 }
 
+#[allow(clippy::result_large_err)]
 fn reject_conflict(conflict: Option<String>) -> Result<(), Ended> {
     match conflict {
         Some(message) => Err(Ended::Rejected {

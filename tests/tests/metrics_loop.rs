@@ -253,6 +253,7 @@ impl Load {
     }
 
     /// Stops the clients and returns their report.
+    #[allow(unsafe_code)] // kill(2) on the child's process group
     fn finish(mut self) -> Value {
         let child = self.0.take().unwrap();
         // SAFETY: kill(2) on our own child's process group.
@@ -264,6 +265,7 @@ impl Load {
 }
 
 impl Drop for Load {
+    #[allow(unsafe_code)] // kill(2) on the child's process group
     fn drop(&mut self) {
         if let Some(mut c) = self.0.take() {
             // SAFETY: kill(2) on our own child's process group.

@@ -108,6 +108,7 @@ fn runnable_ip(pod: &Pod) -> Option<String> {
         .filter(|ip| !ip.is_empty())
 }
 
+#[allow(unsafe_code)] // kill(2) through libc
 fn signal_pid(pid: i32, sig: i32) {
     // SAFETY: kill(2) has no memory-safety preconditions.
     unsafe {
@@ -192,6 +193,7 @@ impl Runner {
         delay
     }
 
+    #[allow(unsafe_code)] // pre_exec(prctl) for PR_SET_PDEATHSIG
     async fn start(&mut self, uid: &str, pod: &Pod, ip: &str) -> Result<()> {
         let spec = pod.spec.as_ref().context("pod has no spec")?;
         let container = spec
