@@ -1,0 +1,601 @@
+//! Reconcile scenarios against a mock API server ([`apiserver`]): one test
+//! per behaviour of the driver, with real JSON for every object.
+//!
+//! The mock cluster ([`Cluster`]) stores the fleet and the objects the
+//! operator writes, keyed by API path, and answers reads from what it
+//! stores (404 `Status` for what it does not). Each test reconciles, then
+//! asserts on the recorded calls: status writes (`PATCH …/status`), events
+//! (`events.k8s.io/v1`) and applies (server-side-apply `PATCH`es).
+
+mod apiserver;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use apiserver::{ApiServer, Call, Reply};
+use c10m_operator::api::ConnectionFleet;
+use c10m_operator::reason::Reason;
+use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
+use c10m_operator::telemetry::Metrics;
+use http::Method;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::runtime::controller::Action;
+use serde_json::{Value, json};
+
+const NS: &str = "prod";
+const NAME: &str = "edge";
+const UID: &str = "5f0c3a7e-1d2b-4c8e-9a61-7b3d2e4f5a60";
+const FIELD_MANAGER: &str = "c10m-operator";
+
+const FLEET: &str = "/apis/c10m.dev/v1alpha1/namespaces/prod/connectionfleets/edge";
+const FLEET_STATUS: &str = "/apis/c10m.dev/v1alpha1/namespaces/prod/connectionfleets/edge/status";
+const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/prod/deployments/edge";
+const SERVICE: &str = "/api/v1/namespaces/prod/services/edge";
+const PDB: &str = "/apis/policy/v1/namespaces/prod/poddisruptionbudgets/edge";
+const SECRETS: &str = "/api/v1/namespaces/prod/secrets";
+const SECRET: &str = "/api/v1/namespaces/prod/secrets/edge-admin";
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/prod/events";
+
+/// A fleet as the API server stores it (uid, generation, namespace).
+fn fleet(spec: Value) -> ConnectionFleet {
+    serde_json::from_value(json!({
+        "apiVersion": "c10m.dev/v1alpha1",
+        "kind": "ConnectionFleet",
+        "metadata": {
+            "name": NAME,
+            "namespace": NS,
+            "uid": UID,
+            "generation": 2,
+            "resourceVersion": "1001",
+        },
+        "spec": spec,
+    }))
+    .expect("a valid ConnectionFleet")
+}
+
+/// A spec that plans without a node list (node memory and CPUs given).
+fn feasible() -> Value {
+    json!({"connections": 1_000_000, "node": {"memory": "256Gi", "cpus": 64}})
+}
+
+/// What the mock cluster stores and how it misbehaves.
+#[derive(Clone, Default)]
+struct Cluster {
+    /// Stored objects by API path (the fleet included).
+    objects: BTreeMap<String, Value>,
+    /// Applied Deployments report every replica ready and updated.
+    ready: bool,
+    /// The Deployment's apply fails with this `Status` (code, message).
+    fail_deployment_apply: Option<(u16, String)>,
+}
+
+impl Cluster {
+    fn with_fleet(fleet: &ConnectionFleet) -> Cluster {
+        let mut c = Cluster::default();
+        c.objects
+            .insert(FLEET.into(), serde_json::to_value(fleet).unwrap());
+        c
+    }
+
+    /// The stored fleet (with the status the operator last wrote).
+    fn fleet(&self) -> ConnectionFleet {
+        serde_json::from_value(self.objects[FLEET].clone()).unwrap()
+    }
+
+    /// Answers one call the way the API server would for these objects.
+    fn answer(&mut self, call: &Call) -> Reply {
+        let path = call.path().to_string();
+        let body = call.body.clone().unwrap_or(Value::Null);
+        match call.method {
+            Method::GET => match self.objects.get(&path) {
+                Some(obj) => Reply::ok(obj),
+                None => Reply::not_found(call),
+            },
+            // Server-side apply of the status subresource: the status only.
+            Method::PATCH if path == FLEET_STATUS => {
+                let fleet = self.objects.get_mut(FLEET).expect("the fleet exists");
+                fleet["status"] = body["status"].clone();
+                Reply::ok(fleet.clone())
+            }
+            Method::PATCH if path.starts_with(EVENTS) => Reply::ok(body),
+            // Server-side apply of an owned object.
+            Method::PATCH => {
+                if path == DEPLOYMENT
+                    && let Some((code, message)) = &self.fail_deployment_apply
+                {
+                    return Reply::failure(*code, "InternalError", message.clone());
+                }
+                let mut obj = body;
+                if path == DEPLOYMENT {
+                    let replicas = obj["spec"]["replicas"].as_i64().unwrap_or(1);
+                    let ready = if self.ready { replicas } else { 0 };
+                    obj["metadata"]["generation"] = json!(1);
+                    obj["status"] = json!({
+                        "observedGeneration": 1,
+                        "replicas": replicas,
+                        "readyReplicas": ready,
+                        "updatedReplicas": replicas,
+                    });
+                }
+                self.objects.insert(path, obj.clone());
+                Reply::ok(obj)
+            }
+            // Create into a collection (the admin Secret, events).
+            Method::POST => {
+                let name = body["metadata"]["name"].as_str().unwrap_or("unnamed");
+                self.objects.insert(format!("{path}/{name}"), body.clone());
+                Reply::created(body)
+            }
+            _ => Reply::failure(405, "MethodNotAllowed", format!("{} {path}", call.method)),
+        }
+    }
+}
+
+/// The mock API server over `cluster`, and an operator context on it.
+struct Harness {
+    cluster: Arc<Mutex<Cluster>>,
+    api: ApiServer,
+    ctx: Arc<Context>,
+}
+
+impl Harness {
+    fn start(cluster: Cluster) -> Harness {
+        let cluster = Arc::new(Mutex::new(cluster));
+        let routed = cluster.clone();
+        let (client, api) = ApiServer::start(move |call| routed.lock().unwrap().answer(call));
+        let ctx = Arc::new(Context::new(
+            client,
+            None,
+            Arc::new(Metrics::default()),
+            None,
+        ));
+        Harness { cluster, api, ctx }
+    }
+
+    /// Reconciles `fleet` (the possibly stale copy a watch delivered).
+    async fn reconcile(&self, fleet: &ConnectionFleet) -> Result<Action, Error> {
+        reconcile(Arc::new(fleet.clone()), self.ctx.clone()).await
+    }
+
+    fn stored_fleet(&self) -> ConnectionFleet {
+        self.cluster.lock().unwrap().fleet()
+    }
+}
+
+/// Bodies of the status writes among `calls` (the `status` they apply).
+fn status_writes(calls: &[Call]) -> Vec<Value> {
+    calls
+        .iter()
+        .filter(|c| c.is(Method::PATCH, FLEET_STATUS))
+        .map(|c| c.body.clone().unwrap()["status"].clone())
+        .collect()
+}
+
+/// Events published among `calls` (created or updated as a series).
+fn events(calls: &[Call]) -> Vec<Value> {
+    calls
+        .iter()
+        .filter(|c| c.path().starts_with(EVENTS))
+        .map(|c| c.body.clone().unwrap())
+        .collect()
+}
+
+fn warnings(calls: &[Call]) -> Vec<Value> {
+    events(calls)
+        .into_iter()
+        .filter(|e| e["type"] == "Warning")
+        .collect()
+}
+
+/// Writes (anything but GET) to `path` among `calls`.
+fn writes_to<'a>(calls: &'a [Call], path: &str) -> Vec<&'a Call> {
+    calls
+        .iter()
+        .filter(|c| c.method != Method::GET && c.path() == path)
+        .collect()
+}
+
+/// The condition `type_` of a status as JSON: (status, reason, message).
+fn condition(status: &Value, type_: &str) -> (String, String, String) {
+    let c = status["conditions"]
+        .as_array()
+        .expect("conditions")
+        .iter()
+        .find(|c| c["type"] == type_)
+        .unwrap_or_else(|| panic!("no {type_} condition in {status}"));
+    let s = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+    (s("status"), s("reason"), s("message"))
+}
+
+/// One Warning event about the fleet with `reason` and `note`.
+fn assert_warning(event: &Value, reason: Reason, action: &str, note: &str) {
+    assert_eq!(event["type"], "Warning", "{event}");
+    assert_eq!(event["reason"], reason.as_str(), "{event}");
+    assert_eq!(event["action"], action, "{event}");
+    assert_eq!(event["note"], note, "{event}");
+    assert_eq!(event["reportingController"], FIELD_MANAGER, "{event}");
+    let regarding = &event["regarding"];
+    assert_eq!(
+        (
+            &regarding["kind"],
+            &regarding["name"],
+            &regarding["namespace"],
+            &regarding["uid"]
+        ),
+        (
+            &json!("ConnectionFleet"),
+            &json!(NAME),
+            &json!(NS),
+            &json!(UID)
+        ),
+        "{event}"
+    );
+}
+
+#[tokio::test]
+async fn a_rejected_fleet_writes_status_once_and_warns_once() {
+    // A shard wider than a node: no plan can hold one connection.
+    let cached = fleet(json!({
+        "connections": 1_000_000,
+        "node": {"memory": "256Gi", "cpus": 4},
+        "shard": {"cpus": 8}
+    }));
+    let h = Harness::start(Cluster::with_fleet(&cached));
+    let message = "spec.shard.cpus (8) exceeds the CPUs of one node (4)";
+
+    let action = h
+        .reconcile(&cached)
+        .await
+        .expect("a rejection is not an error");
+    assert_eq!(
+        action,
+        Action::requeue(RESYNC),
+        "waits for a change, no retry loop"
+    );
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    assert_eq!(
+        condition(&written[0], "Degraded"),
+        ("True".into(), "PlanInfeasible".into(), message.into())
+    );
+    assert_eq!(condition(&written[0], "Ready").0, "False");
+    assert_eq!(written[0]["observedGeneration"], 2);
+    let status_patch = calls
+        .iter()
+        .find(|c| c.is(Method::PATCH, FLEET_STATUS))
+        .unwrap();
+    assert!(
+        status_patch.query().contains("fieldManager=c10m-operator")
+            && status_patch.query().contains("force=true"),
+        "status is server-side applied: {}",
+        status_patch.uri
+    );
+    let evs = events(&calls);
+    assert_eq!(evs.len(), 1, "{evs:#?}");
+    assert_warning(&evs[0], Reason::PlanInfeasible, "Plan", message);
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.method == Method::GET || c.path() == FLEET_STATUS || c.path() == EVENTS),
+        "nothing is applied or created for a rejected fleet: {calls:#?}"
+    );
+
+    // Again, from the same stale cache: the stored status already says it.
+    let action = h.reconcile(&cached).await.unwrap();
+    assert_eq!(action, Action::requeue(RESYNC));
+    let calls = h.api.take();
+    assert_eq!(status_writes(&calls), Vec::<Value>::new(), "{calls:#?}");
+    assert_eq!(events(&calls), Vec::<Value>::new(), "{calls:#?}");
+    assert!(calls.iter().all(|c| c.method == Method::GET), "{calls:#?}");
+}
+
+#[tokio::test]
+async fn an_invalid_spec_is_rejected_as_invalid_spec() {
+    // A custom backend must say what a connection costs it.
+    let cached = fleet(json!({
+        "connections": 1_000_000,
+        "node": {"memory": "256Gi", "cpus": 64},
+        "backend": {"model": "custom"}
+    }));
+    let h = Harness::start(Cluster::with_fleet(&cached));
+    h.reconcile(&cached).await.unwrap();
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1);
+    let (status, reason, message) = condition(&written[0], "Degraded");
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "InvalidSpec"));
+    assert!(message.contains("userBytesPerConnection"), "{message}");
+    let warned = warnings(&calls);
+    assert_eq!(warned.len(), 1);
+    assert_warning(&warned[0], Reason::InvalidSpec, "Plan", &message);
+}
+
+#[tokio::test]
+async fn an_unchanged_rolled_out_fleet_writes_no_status_and_sends_no_event() {
+    let cached = fleet(feasible());
+    let h = Harness::start(Cluster {
+        ready: true,
+        ..Cluster::with_fleet(&cached)
+    });
+
+    // First pass: the fleet is planned, applied and reported.
+    h.reconcile(&cached).await.unwrap();
+    let first = h.api.take();
+    let written = status_writes(&first);
+    assert_eq!(written.len(), 1, "{first:#?}");
+    assert_eq!(condition(&written[0], "Ready").0, "True");
+    assert_eq!(condition(&written[0], "Degraded").0, "False");
+    let evs = events(&first);
+    assert_eq!(evs.len(), 1, "{evs:#?}");
+    assert_eq!(
+        (&evs[0]["type"], &evs[0]["reason"]),
+        (&json!("Normal"), &json!("PlanChanged"))
+    );
+    assert_eq!(
+        writes_to(&first, SECRETS).len(),
+        1,
+        "the admin Secret is created once"
+    );
+
+    // Second pass: the stored status is what reconcile would write.
+    let stored = h.stored_fleet();
+    let action = h.reconcile(&cached).await.unwrap();
+    assert_eq!(action, Action::requeue(RESYNC));
+    let calls = h.api.take();
+    assert_eq!(status_writes(&calls), Vec::<Value>::new(), "{calls:#?}");
+    assert_eq!(events(&calls), Vec::<Value>::new(), "{calls:#?}");
+    assert_eq!(h.stored_fleet().status, stored.status);
+    assert!(writes_to(&calls, SECRETS).is_empty());
+    // The objects are applied again (idempotent server-side apply), and
+    // nothing else is written.
+    for path in [DEPLOYMENT, SERVICE, PDB] {
+        let applies = writes_to(&calls, path);
+        assert_eq!(applies.len(), 1, "{path}: {calls:#?}");
+        assert_eq!(applies[0].method, Method::PATCH);
+        assert!(
+            applies[0].query().contains("fieldManager=c10m-operator")
+                && applies[0].query().contains("force=true"),
+            "{}",
+            applies[0].uri
+        );
+    }
+    let other_writes: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.method != Method::GET && ![DEPLOYMENT, SERVICE, PDB].contains(&c.path()))
+        .collect();
+    assert!(other_writes.is_empty(), "{other_writes:#?}");
+    // The Deployment as applied runs the planned shards.
+    let deployment: Deployment =
+        serde_json::from_value(writes_to(&calls, DEPLOYMENT)[0].body.clone().unwrap()).unwrap();
+    let plan = stored.status.unwrap().plan.unwrap();
+    assert_eq!(deployment.spec.unwrap().replicas, Some(plan.shards));
+}
+
+#[tokio::test]
+async fn a_foreign_deployment_is_an_object_conflict_and_is_left_alone() {
+    let cached = fleet(feasible());
+    let mut cluster = Cluster::with_fleet(&cached);
+    let foreign = json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": NAME,
+            "namespace": NS,
+            "uid": "d0d0d0d0-0000-4000-8000-000000000001",
+            "ownerReferences": [{
+                "apiVersion": "c10m.dev/v1alpha1",
+                "kind": "ConnectionFleet",
+                "name": NAME,
+                "uid": "0ther000-0000-4000-8000-000000000002",
+                "controller": true
+            }]
+        },
+        "spec": {
+            "selector": {"matchLabels": {"app": "theirs"}},
+            "template": {
+                "metadata": {"labels": {"app": "theirs"}},
+                "spec": {"containers": [{"name": "app", "image": "theirs:1"}]}
+            }
+        }
+    });
+    // It must parse as a Deployment, as the operator reads it.
+    let _: Deployment = serde_json::from_value(foreign.clone()).unwrap();
+    cluster.objects.insert(DEPLOYMENT.into(), foreign.clone());
+    let h = Harness::start(cluster);
+
+    let action = h
+        .reconcile(&cached)
+        .await
+        .expect("a conflict is a rejection");
+    assert_eq!(action, Action::requeue(RESYNC));
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    let message = "Deployment edge already exists and is not owned by this ConnectionFleet; rename the fleet or remove the Deployment";
+    assert_eq!(
+        condition(&written[0], "Degraded"),
+        ("True".into(), "ObjectConflict".into(), message.into())
+    );
+    let warned = warnings(&calls);
+    assert_eq!(warned.len(), 1, "{calls:#?}");
+    assert_warning(&warned[0], Reason::ObjectConflict, "Plan", message);
+    for path in [DEPLOYMENT, SERVICE, PDB, SECRETS] {
+        assert!(writes_to(&calls, path).is_empty(), "{path}: {calls:#?}");
+    }
+    assert_eq!(h.cluster.lock().unwrap().objects[DEPLOYMENT], foreign);
+}
+
+#[tokio::test]
+async fn an_apply_error_is_reported_once_and_retried_with_growing_backoff() {
+    let cached = fleet(feasible());
+    let h = Harness::start(Cluster {
+        ready: true,
+        fail_deployment_apply: Some((500, "etcdserver: request timed out".into())),
+        ..Cluster::with_fleet(&cached)
+    });
+    let message = "apply Deployment edge: etcdserver: request timed out (500)";
+    let fleet = Arc::new(cached.clone());
+
+    // reconcile → ctx.finished → error_policy, as the controller runs them.
+    let mut waits = Vec::new();
+    for pass in 1..=3 {
+        let err = h.reconcile(&cached).await.expect_err("the apply failed");
+        assert!(matches!(err, Error::Apply { .. }), "{err:?}");
+        assert_eq!(err.reason(), Reason::ApplyFailed);
+        assert_eq!(err.metric_label(), "apply_error");
+        assert_eq!(err.to_string(), message);
+        let failures = h
+            .ctx
+            .finished(&cached, Some(&err), Duration::from_millis(5));
+        assert_eq!(failures, pass);
+        waits.push(error_policy(fleet.clone(), &err, h.ctx.clone()));
+
+        let calls = h.api.take();
+        let deployment_applies = writes_to(&calls, DEPLOYMENT);
+        assert_eq!(deployment_applies.len(), 1, "{calls:#?}");
+        assert_eq!(
+            writes_to(&calls, SERVICE).len() + writes_to(&calls, PDB).len(),
+            0,
+            "the apply stops at the first failure"
+        );
+        let written = status_writes(&calls);
+        if pass == 1 {
+            assert_eq!(written.len(), 1, "{calls:#?}");
+            assert_eq!(
+                condition(&written[0], "Degraded"),
+                ("True".into(), "ApplyFailed".into(), message.into())
+            );
+            assert_eq!(
+                condition(&written[0], "Progressing").2,
+                "retrying with backoff"
+            );
+            assert!(written[0]["plan"]["shards"].as_i64().unwrap() > 0);
+            let warned = warnings(&calls);
+            assert_eq!(warned.len(), 1, "{calls:#?}");
+            assert_warning(&warned[0], Reason::ApplyFailed, "Reconcile", message);
+        } else {
+            // The same failure again: already on the fleet, not repeated.
+            assert_eq!(written, Vec::<Value>::new(), "pass {pass}: {calls:#?}");
+            assert_eq!(events(&calls), Vec::<Value>::new(), "pass {pass}");
+        }
+    }
+    assert_eq!(
+        waits,
+        [2, 4, 8].map(|s| Action::requeue(Duration::from_secs(s))),
+        "backoff doubles per consecutive failure"
+    );
+
+    // The API recovers: the fleet is applied and the failure count resets.
+    h.cluster.lock().unwrap().fail_deployment_apply = None;
+    let action = h.reconcile(&cached).await.expect("applied");
+    assert_eq!(action, Action::requeue(RESYNC));
+    assert_eq!(h.ctx.finished(&cached, None, Duration::from_millis(5)), 0);
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1);
+    assert_eq!(condition(&written[0], "Degraded").0, "False");
+    assert_eq!(condition(&written[0], "Ready").0, "True");
+
+    // A later failure is news again, and its backoff starts over.
+    h.cluster.lock().unwrap().fail_deployment_apply =
+        Some((503, "the server is shutting down".into()));
+    let err = h.reconcile(&cached).await.expect_err("the apply failed");
+    assert_eq!(h.ctx.finished(&cached, Some(&err), Duration::ZERO), 1);
+    assert_eq!(
+        error_policy(fleet, &err, h.ctx.clone()),
+        Action::requeue(Duration::from_secs(2))
+    );
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    assert_eq!(
+        condition(&written[0], "Degraded"),
+        (
+            "True".into(),
+            "ApplyFailed".into(),
+            "apply Deployment edge: the server is shutting down (503)".into()
+        )
+    );
+    // Within kube's event cache TTL (6 min) the Recorder folds an event
+    // with the same type, reason, action and object into the first one's
+    // series (a merge PATCH, count 2) and keeps the first note: the new
+    // message is in the status condition above, not in the event.
+    let warned = warnings(&calls);
+    assert_eq!(warned.len(), 1, "{calls:#?}");
+    assert_eq!(
+        (&warned[0]["reason"], &warned[0]["action"]),
+        (&json!("ApplyFailed"), &json!("Reconcile"))
+    );
+    assert_eq!(warned[0]["series"]["count"], 2, "{}", warned[0]);
+    let event_writes: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.path().starts_with(EVENTS))
+        .collect();
+    assert_eq!(event_writes.len(), 1);
+    assert_eq!(event_writes[0].method, Method::PATCH);
+}
+
+#[tokio::test]
+async fn a_secret_without_a_token_waits_for_a_person() {
+    let cached = fleet(feasible());
+    let mut cluster = Cluster::with_fleet(&cached);
+    cluster.objects.insert(
+        SECRET.into(),
+        json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": "edge-admin",
+                "namespace": NS,
+                "ownerReferences": [{
+                    "apiVersion": "c10m.dev/v1alpha1",
+                    "kind": "ConnectionFleet",
+                    "name": NAME,
+                    "uid": UID,
+                    "controller": true
+                }]
+            },
+            "data": {"other": "eA=="}
+        }),
+    );
+    let h = Harness::start(cluster);
+    let err = h.reconcile(&cached).await.expect_err("no token");
+    assert!(matches!(err, Error::AdminSecretInvalid { .. }), "{err:?}");
+    assert_eq!(h.ctx.finished(&cached, Some(&err), Duration::ZERO), 1);
+    assert_eq!(
+        error_policy(Arc::new(cached.clone()), &err, h.ctx.clone()),
+        Action::requeue(MAX_BACKOFF),
+        "no fast retry: the Secret needs a person"
+    );
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1);
+    let (status, reason, message) = condition(&written[0], "Degraded");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "ReconcileFailed")
+    );
+    assert!(
+        message.starts_with("Secret edge-admin has no usable `token` key"),
+        "{message}"
+    );
+    assert_eq!(warnings(&calls).len(), 1);
+    for path in [DEPLOYMENT, SERVICE, PDB, SECRETS, SECRET] {
+        assert!(writes_to(&calls, path).is_empty(), "{path}: {calls:#?}");
+    }
+}
+
+#[tokio::test]
+async fn a_deleted_fleet_is_left_alone() {
+    let cached = fleet(feasible());
+    let mut cluster = Cluster::with_fleet(&cached);
+    cluster.objects.remove(FLEET);
+    let h = Harness::start(cluster);
+    let action = h.reconcile(&cached).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    let calls = h.api.calls();
+    assert_eq!(calls.len(), 1, "{calls:#?}");
+    assert!(calls[0].is(Method::GET, FLEET));
+}
