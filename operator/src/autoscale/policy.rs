@@ -148,7 +148,8 @@ pub fn decide(
             .min()
             .unwrap_or(rec.shards)
             .max(current);
-        let limit = limit(history, now, current, up, true);
+        // Never below what runs: the limit slows a scale-up, never reverses it.
+        let limit = limit(history, now, current, up, true).max(current);
         if stable > limit {
             reason = format!("{reason}; scale-up limited to {limit} by scaleUp rules");
         }
@@ -164,7 +165,8 @@ pub fn decide(
                 down.stabilization_window_seconds
             );
         }
-        let limit = limit(history, now, current, down, false);
+        // Never above what runs: the limit slows a scale-down, never reverses it.
+        let limit = limit(history, now, current, down, false).min(current);
         stable.max(limit)
     } else {
         current
@@ -276,5 +278,29 @@ mod tests {
         assert_eq!(decide(&s, &mut h, 301.0, 10, &three).shards, 9);
         assert_eq!(decide(&s, &mut h, 330.0, 9, &three).shards, 9);
         assert_eq!(decide(&s, &mut h, 362.0, 9, &three).shards, 8);
+    }
+
+    #[test]
+    fn a_rate_limit_never_turns_a_scale_around() {
+        // The shards changed outside the loop after a scale within the
+        // period (a manual scale, a failed apply): the limit, measured from
+        // the period's start, lies beyond the shards that run now.
+        let s = spec(); // up: +max(4, 100 %) per 15 s; down: −max(1, 10 %) per 60 s
+        let rec = |shards| Recommendation {
+            shards,
+            reason: "x".into(),
+        };
+        let mut h = History::default();
+        assert_eq!(decide(&s, &mut h, 0.0, 2, &rec(20)).shards, 6);
+        // 12 run now; the period started at 2, so its limit is 6.
+        let d = decide(&s, &mut h, 5.0, 12, &rec(20));
+        assert_eq!(d.shards, 12, "more wanted: never fewer than run");
+        let mut h = History::default();
+        let mut down = s.clone();
+        down.scale_down.stabilization_window_seconds = 0;
+        assert_eq!(decide(&down, &mut h, 0.0, 10, &rec(3)).shards, 9);
+        // 5 run now; the period started at 10, so its limit is 9.
+        let d = decide(&down, &mut h, 5.0, 5, &rec(3));
+        assert_eq!(d.shards, 5, "fewer wanted: never more than run");
     }
 }
