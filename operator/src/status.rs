@@ -198,7 +198,7 @@ pub fn next_status(
 /// autoscaler's and rebalancer's state, and the MetricsAvailable condition.
 pub fn apply_loop(
     status: &mut ConnectionFleetStatus,
-    looped: &crate::autoscale::sync::Outcome,
+    looped: &crate::autoscale::Outcome,
     generation: i64,
     now: &Time,
 ) {

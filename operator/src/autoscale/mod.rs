@@ -1,11 +1,69 @@
-//! Live-metrics loop: read Prometheus ([`metrics`]), decide shard counts
-//! ([`policy`], pure) and rebalancing orders ([`rebalance`], pure), and carry
-//! them out on the shards ([`actions`]).
+//! The live-metrics loop of one fleet, one [`sync`] per reconcile:
+//!
+//! ```text
+//! observe (client) → decide (pure) → act (client) → settle (pure)
+//! ```
+//!
+//! - [`observe`]: the fleet's shard pods and its metrics from Prometheus
+//!   ([`metrics`]), as one [`Observation`]; a doubtful read is observed, not
+//!   an error;
+//! - [`decide`]: replicas, scale-in victims, shed orders, status parts and
+//!   events, from the observation and the loop's [`Memory`]; shard counts
+//!   from [`policy`] (HPA-like), shed orders from [`rebalance`];
+//! - [`act`]: marks the victims (pod-deletion-cost) and sends the shed
+//!   orders, turning failed orders into events;
+//! - [`Decision::settle`]: folds what was sent into the [`Outcome`] the
+//!   reconcile applies and reports.
 
-pub mod actions;
+pub mod act;
+pub mod decide;
 pub mod metrics;
+pub mod observe;
 pub mod policy;
 pub mod rebalance;
-pub mod sync;
 
-pub use sync::{Inputs, Memory, Outcome, sync};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Api;
+
+use crate::api::{ConnectionFleet, Plan};
+pub use decide::{DecideInput, Decision, Memory, Outcome};
+use metrics::Reader;
+pub use observe::Observation;
+
+/// Everything a sync needs from the controller.
+pub struct Inputs<'a> {
+    /// The fleet.
+    pub fleet: &'a ConnectionFleet,
+    /// Its plan (the floor).
+    pub plan: &'a Plan,
+    /// Replicas its Deployment has now (the plan's shards if none yet).
+    pub current: i32,
+    /// Prometheus, when configured.
+    pub reader: Option<&'a Reader>,
+    /// Pods of the fleet's namespace.
+    pub pods: &'a Api<Pod>,
+    /// The fleet's admin token.
+    pub token: &'a str,
+    /// HTTP client for shard admin calls.
+    pub http: &'a reqwest::Client,
+    /// Seconds on the loop's monotonic clock.
+    pub now: f64,
+    /// Wall-clock time for status.
+    pub wall: &'a Time,
+}
+
+/// Runs one sync: observe → decide → act → settle. Only an API call
+/// (listing or annotating pods) fails it; a fleet with the loop off is
+/// neither observed nor acted on.
+pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::Error> {
+    let observation = if decide::runs(&i.fleet.spec) {
+        observe::observe(i.reader, i.pods, i.fleet).await? // client required
+    } else {
+        Observation::default()
+    };
+    let input = DecideInput::new(i.fleet, i.plan, i.current, &observation, i.now, i.wall);
+    let decision = decide::decide(&input, memory); // no client required
+    let acted = act::act(&decision, i.pods, i.http, i.token).await?; // client required
+    Ok(decision.settle(acted)) // no client required
+}

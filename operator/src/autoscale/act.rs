@@ -1,0 +1,150 @@
+//! Act (client required): carries out a [`Decision`] on the shards.
+//! Scale-in victims get pod-deletion-cost −1000, so the ReplicaSet
+//! controller removes them first; shed orders go to the bundled server's
+//! admin endpoint (`POST /shed?count=N&rate=R`, bearer token). A failed API
+//! call ends the sync; a failed shed order becomes a `ShedFailed` event.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+
+use c10m_wire::admin;
+
+use super::decide::{Acted, Decision};
+use super::rebalance::ShedOrder;
+use crate::names::POD_DELETION_COST;
+use crate::reason::{Announcement, EventAction, Reason};
+
+/// Marks the decision's victims, then sends its shed orders (orders to a
+/// pod with no IP yet are skipped).
+pub async fn act(
+    decision: &Decision,
+    pods: &Api<Pod>,
+    http: &reqwest::Client,
+    token: &str,
+) -> Result<Acted, kube::Error> {
+    mark_for_deletion(pods, &decision.victims).await?;
+    let mut acted = Acted::default();
+    let Some(plan) = &decision.shed else {
+        return Ok(acted);
+    };
+    for s in &plan.orders {
+        let Some(ip) = &s.ip else { continue };
+        match shed(http, ip, plan.port, token, &s.order).await {
+            Ok(()) => acted.sent += s.order.count,
+            Err(e) => acted.failures.push(Announcement::warning(
+                Reason::ShedFailed,
+                EventAction::Autoscale,
+                e.to_string(),
+            )),
+        }
+    }
+    Ok(acted)
+}
+
+/// Marks `victims` to be deleted first on the next scale-in
+/// (pod-deletion-cost −1000; other pods keep the default 0).
+pub async fn mark_for_deletion(api: &Api<Pod>, victims: &[String]) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({"metadata": {"annotations": {POD_DELETION_COST: "-1000"}}});
+    for v in victims {
+        api.patch(v, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+    }
+    Ok(())
+}
+
+/// Sends a shed order to a shard's admin endpoint. Errors name the pod and the answer.
+pub async fn shed(
+    http: &reqwest::Client,
+    ip: &str,
+    port: i32,
+    token: &str,
+    order: &ShedOrder,
+) -> anyhow::Result<()> {
+    let url = format!(
+        "http://{ip}:{port}{}?{}={}&{}={}",
+        admin::SHED_PATH,
+        admin::COUNT_KEY,
+        order.count,
+        admin::RATE_KEY,
+        order.rate
+    );
+    let res = http
+        .post(&url)
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .map_err(|e| anyhow::anyhow!("shed order to {} ({url}): {e}", order.pod))?;
+    if !res.status().is_success() {
+        anyhow::bail!("shed order to {} ({url}): HTTP {}", order.pod, res.status());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A one-request HTTP server answering `status`; yields the request head.
+    async fn shard(status: &'static str) -> (u16, tokio::task::JoinHandle<String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                head.extend_from_slice(&buf[..n]);
+            }
+            let answer =
+                format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            s.write_all(answer.as_bytes()).await.unwrap();
+            String::from_utf8_lossy(&head).into_owned()
+        });
+        (port, task)
+    }
+
+    /// Orders pod `push-0` (at 127.0.0.1:`port`) to shed 150 connections at 33/s.
+    async fn send(port: u16, token: &str) -> anyhow::Result<()> {
+        let order = ShedOrder {
+            pod: "push-0".into(),
+            count: 150,
+            rate: 33,
+        };
+        shed(
+            &reqwest::Client::new(),
+            "127.0.0.1",
+            port.into(),
+            token,
+            &order,
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_shed_order_posts_count_and_rate_with_the_token() {
+        let (port, head) = shard("200 OK").await;
+        send(port, "s3cret").await.unwrap();
+        let head = head.await.unwrap().to_ascii_lowercase();
+        assert!(
+            head.starts_with("post /shed?count=150&rate=33 http/1.1"),
+            "{head}"
+        );
+        assert!(head.contains("authorization: bearer s3cret"), "{head}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_shed_order_names_the_pod_and_the_answer() {
+        let (port, _head) = shard("401 Unauthorized").await;
+        let err = send(port, "bad").await.unwrap_err().to_string();
+        assert!(err.contains("push-0") && err.contains("401"), "{err}");
+    }
+}

@@ -1,0 +1,130 @@
+//! Observe (client required): the fleet's shard pods from the API server and
+//! its live metrics from Prometheus, as one typed [`Observation`] for
+//! [`super::decide`]. A failed or doubtful read is part of the observation
+//! (a [`MetricsError`]), not an error: only an API failure ends the sync.
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::ListParams;
+
+use super::metrics::{FleetMetrics, MetricsError, Reader};
+use crate::api::ConnectionFleet;
+use crate::names::FLEET_LABEL;
+
+/// A shard pod as the metrics loop sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardPod {
+    /// Pod name.
+    pub name: String,
+    /// Pod IP, once assigned.
+    pub ip: Option<String>,
+    /// Ready and not terminating.
+    pub ready: bool,
+}
+
+/// What one sync saw of a fleet.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observation {
+    /// The fleet's pods (empty when metrics were not read: nothing to read them for).
+    pub pods: Vec<ShardPod>,
+    /// The metrics read, or why they cannot be trusted; `None` when they
+    /// were not read (the operator has no Prometheus, or the loop is off).
+    pub metrics: Option<Result<FleetMetrics, MetricsError>>,
+}
+
+impl Observation {
+    /// Names of the ready pods: the shards expected to report metrics.
+    pub fn ready(&self) -> Vec<String> {
+        self.pods
+            .iter()
+            .filter(|p| p.ready)
+            .map(|p| p.name.clone())
+            .collect()
+    }
+}
+
+/// Observes `fleet`: its pods, then its metrics from `reader`. Without a
+/// reader nothing is read (no pod listing either).
+pub async fn observe(
+    reader: Option<&Reader>,
+    pods: &Api<Pod>,
+    fleet: &ConnectionFleet,
+) -> Result<Observation, kube::Error> {
+    let Some(reader) = reader else {
+        return Ok(Observation::default());
+    };
+    let ns = fleet.metadata.namespace.clone().unwrap_or_default();
+    let name = fleet.metadata.name.clone().unwrap_or_default();
+    let mut seen = Observation {
+        pods: shard_pods(pods, &name).await?,
+        metrics: None,
+    };
+    let read = reader
+        .read(&fleet.spec.metrics, &ns, &name, &seen.ready())
+        .await;
+    seen.metrics = Some(read);
+    Ok(seen)
+}
+
+/// The fleet's pods.
+pub async fn shard_pods(api: &Api<Pod>, fleet: &str) -> Result<Vec<ShardPod>, kube::Error> {
+    let pods = api
+        .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={fleet}")))
+        .await?;
+    Ok(pods.items.into_iter().map(ShardPod::from).collect())
+}
+
+impl From<Pod> for ShardPod {
+    /// Ready: the pod's `Ready` condition is True and it is not being deleted.
+    fn from(p: Pod) -> Self {
+        let ready = p.metadata.deletion_timestamp.is_none()
+            && p.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        ShardPod {
+            name: p.metadata.name.unwrap_or_default(),
+            ip: p.status.and_then(|s| s.pod_ip),
+            ready,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(ready: &str, deleting: bool) -> Pod {
+        let mut meta = serde_json::json!({"name": "p", "labels": {FLEET_LABEL: "f"}});
+        if deleting {
+            meta["deletionTimestamp"] = "2024-01-01T00:00:00Z".into();
+        }
+        serde_json::from_value(serde_json::json!({
+            "metadata": meta,
+            "status": {
+                "podIP": "10.0.0.7",
+                "conditions": [{"type": "Ready", "status": ready}],
+            },
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_shard_is_ready_when_its_pod_is_ready_and_not_terminating() {
+        let p = ShardPod::from(pod("True", false));
+        assert_eq!(
+            p,
+            ShardPod {
+                name: "p".into(),
+                ip: Some("10.0.0.7".into()),
+                ready: true
+            }
+        );
+        assert!(!ShardPod::from(pod("False", false)).ready);
+        assert!(
+            !ShardPod::from(pod("True", true)).ready,
+            "a terminating pod is no longer a shard to count on"
+        );
+        assert!(!ShardPod::from(Pod::default()).ready, "no status yet");
+    }
+}
