@@ -128,7 +128,7 @@ pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
     let prometheus = config
         .prometheus_url
         .as_deref()
-        .map(autoscale::metrics::Reader::new)
+        .map(autoscale::prometheus::Reader::new)
         .transpose()?;
     let ctx = Arc::new(Context::new(client, instance, metrics, prometheus));
     let owned = watcher::Config::default().labels(MANAGED_BY_SELECTOR);

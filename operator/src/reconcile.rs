@@ -196,7 +196,7 @@ pub struct Context {
     /// The operator's own metrics.
     pub metrics: Arc<crate::telemetry::Metrics>,
     /// Prometheus, when `--prometheus-url` is set.
-    pub prometheus: Option<autoscale::metrics::Reader>,
+    pub prometheus: Option<autoscale::prometheus::Reader>,
     /// HTTP client for shard admin calls (shed orders).
     pub http: reqwest::Client,
     /// Per-fleet memory of the metrics loop.
@@ -211,7 +211,7 @@ impl Context {
         client: Client,
         instance: Option<String>,
         metrics: Arc<crate::telemetry::Metrics>,
-        prometheus: Option<autoscale::metrics::Reader>,
+        prometheus: Option<autoscale::prometheus::Reader>,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::metrics::MetricsError;
+use super::prometheus::MetricsError;
 use super::observe::{Observation, ShardPod};
 use super::policy;
 use super::rebalance::{self, ShardLoad, ShedOrder};
@@ -389,7 +389,7 @@ fn least_loaded(pods: &[ShardPod], loads: &[ShardLoad], n: usize) -> Vec<String>
 mod tests {
     use super::*;
     use crate::api::ScalingRules;
-    use crate::autoscale::metrics::FleetMetrics;
+    use crate::autoscale::prometheus::FleetMetrics;
     use proptest::prelude::*;
 
     const FLOOR: i32 = 2;

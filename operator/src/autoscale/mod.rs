@@ -5,7 +5,7 @@
 //! ```
 //!
 //! - [`observe`]: the fleet's shard pods and its metrics from Prometheus
-//!   ([`metrics`]), as one [`Observation`]; a doubtful read is observed, not
+//!   ([`prometheus`]), as one [`Observation`]; a doubtful read is observed, not
 //!   an error;
 //! - [`decide`]: replicas, scale-in victims, shed orders, status parts and
 //!   events, from the observation and the loop's [`Memory`]; shard counts
@@ -17,7 +17,7 @@
 
 pub mod act;
 pub mod decide;
-pub mod metrics;
+pub mod prometheus;
 pub mod observe;
 pub mod policy;
 pub mod rebalance;
@@ -28,7 +28,7 @@ use kube::Api;
 
 use crate::api::{ConnectionFleet, Plan};
 pub use decide::{DecideInput, Decision, Memory, Outcome};
-use metrics::Reader;
+use prometheus::Reader;
 pub use observe::Observation;
 
 /// Everything a sync needs from the controller.

@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 
-use super::metrics::{FleetMetrics, MetricsError, Reader};
+use super::prometheus::{FleetMetrics, MetricsError, Reader};
 use crate::api::ConnectionFleet;
 use crate::names::FLEET_LABEL;
 
