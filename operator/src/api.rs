@@ -482,7 +482,7 @@ pub struct NodeProfile {
     pub price_per_hour: Option<String>,
 
     /// Kernel bytes per idle, epoll-registered TCP socket. Default 3965
-    /// (slab objects of a socket on Linux 6.x, KERNEL_FACTS.md).
+    /// (slab objects of a socket on Linux 6.x, docs/KERNEL_FACTS.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 1_048_576))]
     pub kernel_bytes_per_socket: Option<i64>,

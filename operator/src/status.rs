@@ -5,6 +5,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
+use crate::api::sysctl::join_names;
 use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
 use crate::reason::ConditionType::{
     self, Degraded as DEGRADED, MetricsAvailable as METRICS_AVAILABLE, Progressing as PROGRESSING,
@@ -171,11 +172,7 @@ pub fn next_status(
                 Reason::NotAllowedInMode,
                 format!(
                     "not applied under spec.sysctls.mode: {}; listen backlog capped at {}",
-                    plan.sysctls_not_applied
-                        .iter()
-                        .map(|s| s.name())
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    join_names(&plan.sysctls_not_applied),
                     plan.listen_backlog
                 ),
                 generation,

@@ -3,6 +3,7 @@
 use comfy_table::{Table, presets::NOTHING};
 
 use crate::api::Plan;
+use crate::api::sysctl::join_names;
 
 fn bytes(b: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -73,14 +74,7 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
         row(&format!("sysctl {k}"), v.to_string());
     }
     if !plan.sysctls_not_applied.is_empty() {
-        row(
-            "sysctls not applied",
-            plan.sysctls_not_applied
-                .iter()
-                .map(|s| s.name())
-                .collect::<Vec<_>>()
-                .join(", "),
-        );
+        row("sysctls not applied", join_names(&plan.sysctls_not_applied));
     }
     if let Some(c) = plan.cost_per_million_connections_monthly {
         row("costPerMillionConnectionsMonthly", format!("${c:.2}"));

@@ -205,6 +205,15 @@ impl JsonSchema for SysctlValue {
 /// The sysctls of a plan: name → value, ordered by name.
 pub type Sysctls = BTreeMap<Sysctl, SysctlValue>;
 
+/// `sysctls`' names joined with ", " (for messages and tables).
+pub fn join_names(sysctls: &[Sysctl]) -> String {
+    sysctls
+        .iter()
+        .map(|s| s.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,9 +17,9 @@
 
 pub mod act;
 pub mod decide;
-pub mod prometheus;
 pub mod observe;
 pub mod policy;
+pub mod prometheus;
 pub mod rebalance;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -28,8 +28,8 @@ use kube::Api;
 
 use crate::api::{ConnectionFleet, Plan};
 pub use decide::{DecideInput, Decision, Memory, Outcome};
-use prometheus::Reader;
 pub use observe::Observation;
+use prometheus::Reader;
 
 /// Everything a sync needs from the controller.
 pub struct Inputs<'a> {
