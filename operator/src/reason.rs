@@ -86,8 +86,11 @@ pub enum Reason {
     NoSamples,
     /// Samples are older than `metrics.staleAfterSeconds`.
     StaleSamples,
-    /// Some ready shards have no sample.
+    /// Some running shards have no sample.
     PartialSamples,
+    /// Some samples cannot be true: not finite, negative, implausibly
+    /// large, or a pod reported twice.
+    DoubtfulSamples,
     /// The autoscaler added shards (event).
     ScaledOut,
     /// The autoscaler removed shards (event).
@@ -100,7 +103,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 27] = [
+    pub const ALL: [Reason; 28] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -124,6 +127,7 @@ impl Reason {
         Reason::NoSamples,
         Reason::StaleSamples,
         Reason::PartialSamples,
+        Reason::DoubtfulSamples,
         Reason::ScaledOut,
         Reason::ScaledIn,
         Reason::Rebalancing,
@@ -161,6 +165,7 @@ impl Reason {
             Reason::NoSamples => "NoSamples",
             Reason::StaleSamples => "StaleSamples",
             Reason::PartialSamples => "PartialSamples",
+            Reason::DoubtfulSamples => "DoubtfulSamples",
             Reason::ScaledOut => "ScaledOut",
             Reason::ScaledIn => "ScaledIn",
             Reason::Rebalancing => "Rebalancing",
