@@ -92,10 +92,38 @@ pub fn accept_key(key: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(h.finalize())
 }
 
+/// Whether the comma-separated list `value` holds `token` as one of its
+/// elements, compared case-insensitively, with optional whitespace around
+/// each element and empty elements ignored [RFC 9110 §5.6.1].
 fn has_token(value: &[u8], token: &str) -> bool {
     value
         .split(|&b| b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Whether every element of the list `value` is `0` (a `Content-Length` of
+/// zero, possibly repeated [RFC 9112 §6.3]).
+fn all_zero(value: &[u8]) -> bool {
+    value.split(|&b| b == b',').all(|t| t.trim_ascii() == b"0")
+}
+
+/// Whether `value` can be a `Host` field value: `uri-host [":" port]`
+/// [RFC 9110 §7.2, RFC 3986 §3.2.2], non-empty (a WebSocket URI always has
+/// an authority [RFC 6455 §3]). Checked by character set, not by grammar.
+fn valid_host(value: &[u8]) -> bool {
+    !value.is_empty()
+        && value
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:[]%".contains(&b))
+}
+
+/// Whether `target` is a request-target a WebSocket upgrade may carry: the
+/// origin form (`/path?query`) or the absolute form with an `http`/`https`
+/// URI [RFC 6455 §4.2.1 item 1, RFC 9112 §3.2]; not `*` or an authority.
+fn valid_target(target: &str) -> bool {
+    let t = target.as_bytes();
+    let scheme = |s: &[u8]| t.len() > s.len() && t[..s.len()].eq_ignore_ascii_case(s);
+    t.first() == Some(&b'/') || scheme(b"http://") || scheme(b"https://")
 }
 
 fn reject(status: u16, reason: &str, extra: &str) -> Handshake {
@@ -107,51 +135,149 @@ fn reject(status: u16, reason: &str, extra: &str) -> Handshake {
     }
 }
 
-/// Parses an HTTP/1.1 upgrade request (with `httparse`) and answers it
-/// [RFC 6455 §4.2.1]: `GET`, HTTP/1.1, `Upgrade: websocket`,
-/// `Connection: Upgrade`, `Sec-WebSocket-Version: 13` (else 426 naming 13),
-/// and a `Sec-WebSocket-Key` that decodes to 16 bytes. Anything else is 400;
-/// a head over [`MAX_HANDSHAKE_BYTES`] or with too many headers is 431.
+fn bad_request() -> Handshake {
+    reject(400, "Bad Request", "")
+}
+
+fn too_large() -> Handshake {
+    reject(431, "Request Header Fields Too Large", "")
+}
+
+/// The answer to a connection whose upgrade request cannot be buffered
+/// because the worker's budget for unfinished input is spent: 503 with
+/// `Retry-After`, then close.
+pub const BUSY_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n\
+Content-Length: 0\r\nConnection: close\r\n\r\n";
+
+/// Parses an HTTP/1.1 upgrade request (with `httparse`) and answers it.
+///
+/// The rules are RFC 6455 §4.2.1 and the HTTP MUSTs it builds on:
+///
+/// - the method is `GET` and the version HTTP/1.1 or a later 1.x (processed
+///   as 1.1 [RFC 9112 §2.3]); HTTP/1.0 is 400, another major version 505;
+/// - the request-target is in origin or absolute (`http`/`https`) form;
+/// - exactly one `Host` field line, with a valid non-empty value
+///   [RFC 9112 §3.2: 400 for none or more than one];
+/// - `Upgrade` includes `websocket` and `Connection` includes `Upgrade`, as
+///   list elements, case-insensitive, with whitespace around commas; list
+///   fields repeated over several lines are one comma-joined list
+///   [RFC 9110 §5.3], so `Connection: keep-alive` plus `Connection: Upgrade`
+///   is an upgrade;
+/// - at most one `Sec-WebSocket-Key` and one `Sec-WebSocket-Version` line
+///   [RFC 6455 §11.3.1, §11.3.5]: more is 400;
+/// - `Sec-WebSocket-Version: 13`, else 426 naming 13 and, as every 426
+///   must, the protocol to upgrade to [RFC 9110 §15.5.22];
+/// - a `Sec-WebSocket-Key` that base64-decodes to 16 bytes;
+/// - no request content: `Transfer-Encoding` or a non-zero
+///   `Content-Length` is 400 (bytes after the head are frames).
+///
+/// Anything else that is not a well-formed head (bad syntax, whitespace
+/// before a colon, obsolete line folding; `httparse` refuses those in
+/// requests) is 400; a head over [`MAX_HANDSHAKE_BYTES`] or with more than
+/// [`MAX_HANDSHAKE_HEADERS`] field lines is 431.
 pub fn handshake(buf: &[u8]) -> Handshake {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HANDSHAKE_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
-    let consumed = match req.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() >= MAX_HANDSHAKE_BYTES => {
-            return reject(431, "Request Header Fields Too Large", "");
-        }
-        Ok(httparse::Status::Partial) => return Handshake::Partial,
-        Err(httparse::Error::TooManyHeaders) => {
-            return reject(431, "Request Header Fields Too Large", "");
-        }
-        Err(_) => return reject(400, "Bad Request", ""),
+    match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => answer(&req, n),
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HANDSHAKE_BYTES => too_large(),
+        Ok(httparse::Status::Partial) => Handshake::Partial,
+        Err(httparse::Error::TooManyHeaders) => too_large(),
+        Err(httparse::Error::Version) => later_version(buf),
+        Err(_) => bad_request(),
+    }
+}
+
+/// `httparse` knows HTTP/1.0 and 1.1 only. A request line ending in
+/// `HTTP/1.x` with a later minor version is processed as HTTP/1.1
+/// [RFC 9112 §2.3]; another well-formed version is 505; anything else 400.
+fn later_version(buf: &[u8]) -> Handshake {
+    // Empty lines before the request line are skipped [RFC 9112 §2.2].
+    let start = buf
+        .iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(buf.len());
+    let Some(end) = buf[start..].iter().position(|&b| b == b'\n') else {
+        return if buf.len() >= MAX_HANDSHAKE_BYTES {
+            too_large()
+        } else {
+            Handshake::Partial
+        };
     };
+    let line = &buf[start..start + end];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let Some(sp) = line.iter().rposition(|&b| b == b' ') else {
+        return bad_request();
+    };
+    match line[sp + 1..] {
+        [b'H', b'T', b'T', b'P', b'/', b'1', b'.', b'2'..=b'9'] => {
+            // Parse a copy that says 1.1: the head keeps its length, so
+            // `consumed` holds for `buf` too. (1.0 and 1.1 get here only
+            // if `httparse` objected to something else: 400 below.)
+            let mut copy = buf[..buf.len().min(MAX_HANDSHAKE_BYTES)].to_vec();
+            copy[start + sp + 8] = b'1';
+            handshake(&copy)
+        }
+        [b'H', b'T', b'T', b'P', b'/', major, b'.', minor]
+            if major != b'1' && major.is_ascii_digit() && minor.is_ascii_digit() =>
+        {
+            reject(505, "HTTP Version Not Supported", "")
+        }
+        _ => bad_request(),
+    }
+}
+
+/// Checks a complete request head against the rules of [`handshake`].
+fn answer(req: &httparse::Request<'_, '_>, consumed: usize) -> Handshake {
     if consumed > MAX_HANDSHAKE_BYTES {
-        return reject(431, "Request Header Fields Too Large", "");
+        return too_large();
     }
-    if req.method != Some("GET") || req.version != Some(1) {
-        return reject(400, "Bad Request", "");
+    if req.method != Some("GET") || req.version != Some(1) || !req.path.is_some_and(valid_target) {
+        return bad_request();
     }
-    let header = |name: &str| {
-        req.headers
-            .iter()
-            .find(|h| h.name.eq_ignore_ascii_case(name))
-            .map(|h| h.value)
-    };
-    let upgrade = header("upgrade").is_some_and(|v| has_token(v, "websocket"));
-    let connection = header("connection").is_some_and(|v| has_token(v, "upgrade"));
+    let (mut hosts, mut host) = (0, &b""[..]);
+    let (mut keys, mut key) = (0, None);
+    let (mut versions, mut version) = (0, None);
+    let (mut upgrade, mut connection) = (false, false);
+    for h in req.headers.iter() {
+        let name = |n: &str| h.name.eq_ignore_ascii_case(n);
+        let value = h.value.trim_ascii();
+        if name("host") {
+            hosts += 1;
+            host = value;
+        } else if name("sec-websocket-key") {
+            keys += 1;
+            key = Some(value);
+        } else if name("sec-websocket-version") {
+            versions += 1;
+            version = Some(value);
+        } else if name("upgrade") {
+            upgrade |= has_token(value, "websocket");
+        } else if name("connection") {
+            connection |= has_token(value, "upgrade");
+        } else if name("transfer-encoding") || (name("content-length") && !all_zero(value)) {
+            return bad_request();
+        }
+    }
+    if hosts != 1 || !valid_host(host) || keys > 1 || versions > 1 {
+        return bad_request();
+    }
     if !upgrade || !connection {
-        return reject(400, "Bad Request", "");
+        return bad_request();
     }
-    if header("sec-websocket-version").map(<[u8]>::trim_ascii) != Some(b"13") {
-        return reject(426, "Upgrade Required", "Sec-WebSocket-Version: 13\r\n");
+    if version != Some(b"13") {
+        return Handshake::Reject {
+            response: b"HTTP/1.1 426 Upgrade Required\r\nSec-WebSocket-Version: 13\r\n\
+Upgrade: websocket\r\nContent-Length: 0\r\nConnection: Upgrade, close\r\n\r\n"
+                .to_vec(),
+        };
     }
-    let Some(key) = header("sec-websocket-key").map(<[u8]>::trim_ascii) else {
-        return reject(400, "Bad Request", "");
+    let Some(key) = key else {
+        return bad_request();
     };
     let decoded = base64::engine::general_purpose::STANDARD.decode(key);
     if decoded.map(|k| k.len()) != Ok(16) {
-        return reject(400, "Bad Request", "");
+        return bad_request();
     }
     let response = format!(
         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
@@ -555,6 +681,284 @@ Sec-WebSocket-Version: 13\r\n\r\n";
                     .contains("Sec-WebSocket-Version: 13")
             );
         }
+    }
+
+    /// A request from a request line and field lines (CRLF added).
+    fn request(line: &str, fields: &[&str]) -> Vec<u8> {
+        let mut r = format!("{line}\r\n");
+        for f in fields {
+            r.push_str(f);
+            r.push_str("\r\n");
+        }
+        r.push_str("\r\n");
+        r.into_bytes()
+    }
+
+    /// The fields of a valid upgrade, in order.
+    const FIELDS: [&str; 5] = [
+        "Host: server.example.com",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version: 13",
+    ];
+
+    /// [`FIELDS`] with the field lines named by `drop` (prefixes) left out
+    /// and `add` appended.
+    fn fields_with<'a>(drop: &[&str], add: &[&'a str]) -> Vec<&'a str> {
+        FIELDS
+            .iter()
+            .copied()
+            .filter(|f| !drop.iter().any(|d| f.starts_with(d)))
+            .chain(add.iter().copied())
+            .collect()
+    }
+
+    fn answer_to(fields: &[&str]) -> u16 {
+        match handshake(&request("GET /chat HTTP/1.1", fields)) {
+            Handshake::Accept { .. } => 101,
+            h => status(h),
+        }
+    }
+
+    #[test]
+    fn list_fields_split_over_lines_are_one_list() {
+        // RFC 9110 §5.3: field lines of one list field, combined in order
+        // with commas, mean the same as one line. Fault 6 of issue 10.
+        for (drop, add) in [
+            (
+                "Connection",
+                &["Connection: keep-alive", "Connection: Upgrade"][..],
+            ),
+            (
+                "Connection",
+                &["Connection: Upgrade", "Connection: keep-alive"],
+            ),
+            ("Upgrade:", &["Upgrade: h2c", "Upgrade: websocket"]),
+            ("Upgrade:", &["Upgrade: websocket", "Upgrade: h2c"]),
+            (
+                "Connection",
+                &["Connection: keep-alive", "Connection: , UPGRADE ,"],
+            ),
+            ("Upgrade:", &["Upgrade: h2c", "Upgrade: foo/2,WebSocket"]),
+        ] {
+            assert_eq!(answer_to(&fields_with(&[drop], add)), 101, "{add:?}");
+        }
+        // Both split at once, in any case, with whitespace around commas.
+        let f = fields_with(
+            &["Upgrade:", "Connection"],
+            &[
+                "upgrade: h2c ,  websocket ",
+                "CONNECTION: keep-alive",
+                "connection:\tTE , upgrade",
+            ],
+        );
+        assert_eq!(answer_to(&f), 101);
+    }
+
+    #[test]
+    fn list_tokens_match_whole_elements_only() {
+        for (drop, add) in [
+            ("Connection", "Connection: Upgraded"),
+            ("Connection", "Connection: keep-alive upgrade"),
+            ("Connection", "Connection: \"Upgrade\""),
+            ("Upgrade:", "Upgrade: websockets"),
+            ("Upgrade:", "Upgrade: websocket/13"),
+            ("Upgrade:", "Upgrade: h2c"),
+            ("Upgrade:", "X-Upgrade: websocket"),
+        ] {
+            assert_eq!(answer_to(&fields_with(&[drop], &[add])), 400, "{add}");
+        }
+        assert_eq!(answer_to(&fields_with(&["Connection"], &[])), 400);
+        assert_eq!(answer_to(&fields_with(&["Upgrade:"], &[])), 400);
+    }
+
+    #[test]
+    fn exactly_one_host() {
+        // RFC 9112 §3.2: 400 for none, more than one, or an invalid value.
+        assert_eq!(answer_to(&fields_with(&["Host"], &[])), 400);
+        for host in [
+            "Host: server.example.com",
+            "Host: other.example.com",
+            "host: server.example.com",
+        ] {
+            assert_eq!(answer_to(&fields_with(&[], &[host])), 400, "{host}");
+        }
+        for bad in ["Host:", "Host: a b", "Host: a/b", "Host: a\"b", "Host: a@b"] {
+            assert_eq!(answer_to(&fields_with(&["Host"], &[bad])), 400, "{bad}");
+        }
+        for good in [
+            "Host: 127.0.0.1:7000",
+            "Host: [::1]:7000",
+            "HOST: Example.COM",
+            "Host: xn--bcher-kva.example",
+        ] {
+            assert_eq!(answer_to(&fields_with(&["Host"], &[good])), 101, "{good}");
+        }
+    }
+
+    #[test]
+    fn exactly_one_key_of_16_bytes() {
+        assert_eq!(answer_to(&fields_with(&["Sec-WebSocket-Key"], &[])), 400);
+        // RFC 6455 §11.3.1: the key MUST NOT appear more than once, even
+        // with the same value.
+        let twice = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==";
+        assert_eq!(answer_to(&fields_with(&[], &[twice])), 400);
+        let other = "sec-websocket-key: AAAAAAAAAAAAAAAAAAAAAA==";
+        assert_eq!(answer_to(&fields_with(&[], &[other])), 400);
+        for bad in [
+            "Sec-WebSocket-Key: c2hvcnQ=",                    // 5 bytes
+            "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAAA=",    // 17 bytes
+            "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA",      // unpadded
+            "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAB==",    // trailing bits
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==, x", // a list
+            "Sec-WebSocket-Key: !!!!!!!!!!!!!!!!!!!!!!==",    // not base64
+            "Sec-WebSocket-Key:",
+        ] {
+            let f = fields_with(&["Sec-WebSocket-Key"], &[bad]);
+            assert_eq!(answer_to(&f), 400, "{bad}");
+        }
+        let spaced = "Sec-WebSocket-Key:   AAAAAAAAAAAAAAAAAAAAAA==  ";
+        assert_eq!(
+            answer_to(&fields_with(&["Sec-WebSocket-Key"], &[spaced])),
+            101
+        );
+    }
+
+    #[test]
+    fn version_13_else_426_naming_it() {
+        for v in [
+            None,
+            Some("Sec-WebSocket-Version: 8"),
+            Some("Sec-WebSocket-Version: 13, 8"),
+            Some("Sec-WebSocket-Version: 013"),
+            Some("Sec-WebSocket-Version:"),
+        ] {
+            let f = fields_with(&["Sec-WebSocket-Version"], v.as_slice());
+            let h = handshake(&request("GET /chat HTTP/1.1", &f));
+            let Handshake::Reject { response } = h else {
+                panic!("{v:?}: {h:?}");
+            };
+            let r = String::from_utf8(response).unwrap();
+            assert!(
+                r.starts_with("HTTP/1.1 426 Upgrade Required\r\n"),
+                "{v:?}: {r}"
+            );
+            assert!(r.contains("\r\nSec-WebSocket-Version: 13\r\n"), "{r}");
+            // RFC 9110 §15.5.22 and §7.8: a 426 names the protocol in
+            // Upgrade, which Connection then lists.
+            assert!(r.contains("\r\nUpgrade: websocket\r\n"), "{r}");
+            assert!(r.contains("\r\nConnection: Upgrade, close\r\n"), "{r}");
+        }
+        // RFC 6455 §11.3.5: the version MUST NOT appear more than once.
+        let twice = fields_with(&[], &["Sec-WebSocket-Version: 13"]);
+        assert_eq!(answer_to(&twice), 400);
+        let spaced = fields_with(&["Sec-WebSocket-Version"], &["sec-websocket-version:  13 "]);
+        assert_eq!(answer_to(&spaced), 101);
+    }
+
+    #[test]
+    fn get_over_http_1_1_or_later_only() {
+        let at = |line: &str| match handshake(&request(line, &FIELDS)) {
+            Handshake::Accept { .. } => 101,
+            h => status(h),
+        };
+        assert_eq!(at("GET /chat HTTP/1.1"), 101);
+        // RFC 9112 §2.3: a later minor version is processed as 1.1.
+        assert_eq!(at("GET /chat HTTP/1.2"), 101);
+        assert_eq!(at("GET /chat HTTP/1.9"), 101);
+        assert_eq!(at("GET /chat HTTP/1.0"), 400);
+        assert_eq!(at("GET /chat HTTP/2.0"), 505);
+        assert_eq!(at("GET /chat HTTP/3.0"), 505);
+        assert_eq!(at("GET /chat HTTP/1.10"), 400);
+        assert_eq!(at("GET /chat HTTP/1.x"), 400);
+        assert_eq!(at("GET /chat HTTP/1.5 HTTP/1.2"), 400);
+        assert_eq!(at("GET /chat http/1.1"), 400);
+        assert_eq!(at("GET /chat"), 400);
+        for method in ["POST", "HEAD", "PUT", "get", "CONNECT"] {
+            assert_eq!(at(&format!("{method} /chat HTTP/1.1")), 400, "{method}");
+        }
+        // Origin or absolute form only.
+        assert_eq!(at("GET http://server.example.com/chat HTTP/1.1"), 101);
+        assert_eq!(at("GET HTTPS://server.example.com/ HTTP/1.1"), 101);
+        for target in ["*", "server.example.com:80", "chat", "ws://x/"] {
+            assert_eq!(at(&format!("GET {target} HTTP/1.1")), 400, "{target}");
+        }
+        // A later minor version: `consumed` is the head of the original.
+        let mut with_frame = request("GET /chat HTTP/1.4", &FIELDS);
+        let head = with_frame.len();
+        with_frame.extend_from_slice(b"\x81\x80");
+        assert!(
+            matches!(handshake(&with_frame), Handshake::Accept { consumed, .. } if consumed == head)
+        );
+        let partial = request("GET /chat HTTP/1.4", &FIELDS);
+        assert_eq!(handshake(&partial[..partial.len() - 2]), Handshake::Partial);
+        assert_eq!(handshake(b"GET /chat HTTP/1.4"), Handshake::Partial);
+    }
+
+    #[test]
+    fn no_request_content() {
+        for bad in [
+            "Transfer-Encoding: chunked",
+            "transfer-encoding: identity",
+            "Content-Length: 5",
+            "Content-Length: 0, 5",
+        ] {
+            assert_eq!(answer_to(&fields_with(&[], &[bad])), 400, "{bad}");
+        }
+        assert_eq!(answer_to(&fields_with(&[], &["Content-Length: 0"])), 101);
+        assert_eq!(answer_to(&fields_with(&[], &["Content-Length: 0, 0"])), 101);
+    }
+
+    #[test]
+    fn malformed_field_lines_are_400() {
+        // RFC 9112 §5.1: whitespace between name and colon MUST be 400;
+        // §5.2: obsolete line folding is 400 (or unfolded) in a request.
+        let space = request(
+            "GET /chat HTTP/1.1",
+            &fields_with(&["Host"], &["Host : server.example.com"]),
+        );
+        assert_eq!(status(handshake(&space)), 400);
+        let folded = request(
+            "GET /chat HTTP/1.1",
+            &fields_with(&["Connection"], &["Connection: keep-alive,", " Upgrade"]),
+        );
+        assert_eq!(status(handshake(&folded)), 400);
+        let no_colon = request("GET /chat HTTP/1.1", &fields_with(&[], &["X-Junk"]));
+        assert_eq!(status(handshake(&no_colon)), 400);
+        // Other fields (Origin, protocols, extensions) are allowed and
+        // ignored, repeated or not; empty lines before the request line are
+        // skipped (RFC 9112 §2.2).
+        let f = fields_with(
+            &[],
+            &[
+                "Origin: http://example.com",
+                "Sec-WebSocket-Protocol: chat",
+                "Sec-WebSocket-Protocol: superchat",
+                "Sec-WebSocket-Extensions: permessage-deflate",
+            ],
+        );
+        assert_eq!(answer_to(&f), 101);
+        let mut lead = b"\r\n".to_vec();
+        lead.extend(request("GET /chat HTTP/1.1", &FIELDS));
+        assert!(
+            matches!(handshake(&lead), Handshake::Accept { consumed, .. } if consumed == lead.len())
+        );
+    }
+
+    #[test]
+    fn too_many_or_too_long_field_lines_are_431() {
+        let many: Vec<String> = (0..MAX_HANDSHAKE_HEADERS)
+            .map(|i| format!("X-{i}: y"))
+            .collect();
+        let many: Vec<&str> = FIELDS
+            .iter()
+            .copied()
+            .chain(many.iter().map(String::as_str))
+            .collect();
+        assert_eq!(answer_to(&many), 431);
+        let long = format!("X-Long: {}", "y".repeat(MAX_HANDSHAKE_BYTES));
+        assert_eq!(answer_to(&fields_with(&[], &[long.as_str()])), 431);
     }
 
     #[test]

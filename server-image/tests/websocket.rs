@@ -234,3 +234,98 @@ fn raw_protocol_errors_get_close_codes() {
     assert!(r.starts_with("HTTP/1.1 426 "), "{r}");
     assert!(r.contains("Sec-WebSocket-Version: 13\r\n"));
 }
+
+/// Sends `request` on a new connection; returns the response head and
+/// whether the connection then echoes a frame (an accepted upgrade) or is
+/// closed (a refusal).
+fn raw_upgrade(server: &Server, request: &str) -> (String, bool) {
+    let mut s = server.connect();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).unwrap() == 0 {
+            break;
+        }
+        head.push(b[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    if head.starts_with("HTTP/1.1 101 ") {
+        ws_echo(&mut s, b"upgraded");
+        (head, true)
+    } else {
+        assert_eof(&mut s);
+        (head, false)
+    }
+}
+
+#[test]
+fn handshake_honours_split_list_fields_and_header_cardinality() {
+    // Issue 10, fault 6, and the RFCs' other MUSTs, over raw sockets.
+    let server = Server::start(1, &["--protocol", "websocket"]);
+    let key = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
+    let req = |line: &str, fields: &str| format!("{line}\r\n{fields}\r\n");
+    let ok_fields = |connection: &str, upgrade: &str| {
+        format!("Host: test\r\n{upgrade}{connection}{key}Sec-WebSocket-Version: 13\r\n")
+    };
+    let accepted = [
+        ok_fields(
+            "Connection: keep-alive\r\nConnection: Upgrade\r\n",
+            "Upgrade: websocket\r\n",
+        ),
+        ok_fields(
+            "Connection: Upgrade\r\n",
+            "Upgrade: h2c\r\nUpgrade: websocket\r\n",
+        ),
+        ok_fields(
+            "connection: keep-alive ,  UPGRADE\r\n",
+            "upgrade: WebSocket\r\n",
+        ),
+    ];
+    for f in &accepted {
+        let (head, upgraded) = raw_upgrade(&server, &req("GET / HTTP/1.1", f));
+        assert!(upgraded, "{f:?} -> {head}");
+        assert!(head.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n"));
+    }
+    let (head, upgraded) = raw_upgrade(&server, &req("GET / HTTP/1.2", &accepted[0]));
+    assert!(upgraded, "HTTP/1.2 is processed as 1.1: {head}");
+
+    let base = ok_fields("Connection: Upgrade\r\n", "Upgrade: websocket\r\n");
+    let refused = [
+        ("GET / HTTP/1.1", format!("{base}{key}"), 400), // two keys
+        ("GET / HTTP/1.1", format!("{base}Host: other\r\n"), 400), // two Hosts
+        ("GET / HTTP/1.1", base.replace("Host: test\r\n", ""), 400), // no Host
+        (
+            "GET / HTTP/1.1",
+            format!("{base}Sec-WebSocket-Version: 13\r\n"),
+            400,
+        ), // two versions
+        (
+            "GET / HTTP/1.1",
+            base.replace("Version: 13", "Version: 8"),
+            426,
+        ),
+        (
+            "GET / HTTP/1.1",
+            format!("{base}Transfer-Encoding: chunked\r\n"),
+            400,
+        ),
+        ("GET / HTTP/2.0", base.clone(), 505),
+        ("GET / HTTP/1.0", base.clone(), 400),
+        ("POST / HTTP/1.1", base.clone(), 400),
+        ("GET * HTTP/1.1", base.clone(), 400),
+    ];
+    for (line, fields, want) in &refused {
+        let (head, upgraded) = raw_upgrade(&server, &req(line, fields));
+        assert!(!upgraded);
+        assert!(
+            head.starts_with(&format!("HTTP/1.1 {want} ")),
+            "{line} {fields:?} -> {head}"
+        );
+    }
+    server.wait_metrics("refusals counted, upgrades closed by their peers", |m| {
+        sample(m, "c10m_connections_closed_total{reason=\"bad_handshake\"}")
+            == Some(refused.len() as f64)
+            && sum(m, "c10m_connections") == 0.0
+    });
+}
