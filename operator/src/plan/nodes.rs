@@ -32,19 +32,43 @@ pub fn quantity_units(q: &Quantity) -> Option<i64> {
     (v.is_finite() && v >= 0.0 && v < i64::MAX as f64).then_some(v.floor() as i64)
 }
 
+/// Most CPUs of one node a plan uses: the schema's bound on `spec.node.cpus`.
+pub const MAX_NODE_CPUS: i64 = 100_000;
+
+/// Most pods of one node a plan uses: the schema's bound on `spec.node.pods`.
+pub const MAX_NODE_PODS: i64 = 100_000;
+
+/// A node's allocatable quantity in whole units, capped at `max`: what a
+/// node reports is not bounded by any schema (kubelet, or anyone allowed to
+/// write Node objects, sets it), and the plan only ever sees node profiles
+/// within the bounds `spec.node` admits. A node bigger than that is planned
+/// as the biggest admitted one. Negative or unparsable: `None`.
+fn observed_units(q: &Quantity, max: i64) -> Option<i64> {
+    let parsed = ParsedQuantity::try_from(q).ok()?;
+    let v = parsed.to_bytes_f64()?;
+    (!v.is_nan() && v >= 0.0).then(|| {
+        if v >= max as f64 {
+            max
+        } else {
+            v.floor() as i64
+        }
+    })
+}
+
 /// Allocatable of the smallest of `nodes` (by memory, then CPUs), or `None`
-/// when the list is empty or no node reports allocatable.
+/// when the list is empty or no node reports allocatable. Each value is
+/// capped at the bound the schema puts on the same `spec.node` field.
 pub fn smallest_allocatable(nodes: &[Node]) -> Option<NodeFacts> {
     nodes
         .iter()
         .filter_map(|n| {
             let alloc = n.status.as_ref()?.allocatable.as_ref()?;
             Some(NodeFacts {
-                memory_bytes: quantity_units(alloc.get("memory")?)?,
-                cpus: quantity_units(alloc.get("cpu")?)?,
+                memory_bytes: observed_units(alloc.get("memory")?, MAX_NODE_MEMORY_BYTES)?,
+                cpus: observed_units(alloc.get("cpu")?, MAX_NODE_CPUS)?,
                 pods: alloc
                     .get("pods")
-                    .and_then(quantity_units)
+                    .and_then(|p| observed_units(p, MAX_NODE_PODS))
                     .unwrap_or(DEFAULT_MAX_PODS),
             })
         })
@@ -197,5 +221,60 @@ mod tests {
             err.contains("spec.placement.nodeSelector") && err.contains("pool"),
             "{err}"
         );
+    }
+
+    /// A Node's allocatable is not bounded by any schema: a node reporting
+    /// 9×10^12 CPUs and pods made the planner loop over every pod slot (the
+    /// reconcile never returned) and overflow in debug builds. Observed
+    /// values are capped at the bounds `spec.node` admits.
+    #[test]
+    fn absurd_node_allocatable_is_capped_to_the_admitted_profile() {
+        let node = |mem: &str, cpu: &str, pods: &str| -> Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "n"},
+                "status": {"allocatable": {"memory": mem, "cpu": cpu, "pods": pods}}
+            }))
+            .unwrap()
+        };
+        let spec: ConnectionFleetSpec = serde_json::from_value(
+            serde_json::json!({"connections": 1_000_000, "shard": {"cpus": 1}}),
+        )
+        .unwrap();
+        for (mem, cpu, pods) in [
+            ("1Pi", "9000000000000", "9000000000000"),
+            ("16Pi", "4096", "110"),
+            ("1e15", "1e12", "1e12"),
+            ("256Gi", "64", "0"),
+        ] {
+            let obs = smallest_allocatable(&[node(mem, cpu, pods)])
+                .unwrap_or_else(|| panic!("{mem} {cpu} {pods}: no profile"));
+            assert!(obs.memory_bytes <= MAX_NODE_MEMORY_BYTES, "{obs:?}");
+            assert!(
+                obs.cpus <= MAX_NODE_CPUS && obs.pods <= MAX_NODE_PODS,
+                "{obs:?}"
+            );
+            let started = std::time::Instant::now();
+            let _ = crate::plan::plan(&spec, resolve(&spec, Some(obs)).unwrap());
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(5),
+                "{mem} {cpu} {pods}: {:?}",
+                started.elapsed()
+            );
+        }
+        // Negative, or past what the parser holds (a decimal beyond ~7.9e28):
+        // no profile from that node, never a panic.
+        assert_eq!(smallest_allocatable(&[node("-1Gi", "64", "110")]), None);
+        assert_eq!(smallest_allocatable(&[node("9e30", "64", "110")]), None);
+    }
+
+    /// The caps are the schema's own bounds on `spec.node.cpus` and `pods`.
+    #[test]
+    fn caps_match_the_schema() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(crate::api::ConnectionFleet::crd()).unwrap();
+        let node = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            ["node"]["properties"];
+        assert_eq!(node["cpus"]["maximum"].as_f64(), Some(MAX_NODE_CPUS as f64));
+        assert_eq!(node["pods"]["maximum"].as_f64(), Some(MAX_NODE_PODS as f64));
     }
 }
