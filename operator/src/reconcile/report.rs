@@ -73,8 +73,14 @@ pub async fn report(
         status::apply_loop(&mut next, l, generation, now);
     }
     let events = looped.as_ref().map_or(&[][..], |l| &l.events[..]);
-    for note in status::announcements(prev, &next, &outcome, events) {
-        publish(ctx, fleet, &note).await;
+    let notes = status::announcements(prev, &next, &outcome, events);
+    if let Outcome::Rejected { reason, message } = &outcome
+        && notes.iter().any(|n| n.reason == *reason)
+    {
+        warn!(fleet = %fleet.name_any(), reason = reason.as_str(), %message, "fleet rejected");
+    }
+    for note in &notes {
+        publish(ctx, fleet, note).await;
     }
     let written = if Some(&next) != prev {
         write_status(fleet, ctx, &next).await
