@@ -33,7 +33,7 @@ pub async fn act(
     for s in &plan.orders {
         let Some(ip) = &s.ip else { continue };
         match shed(http, ip, plan.port, token, &s.order).await {
-            Ok(()) => acted.sent += s.order.count,
+            Ok(()) => acted.sent = acted.sent.saturating_add(s.order.count),
             Err(e) => acted.failures.push(Announcement::warning(
                 Reason::ShedFailed,
                 EventAction::Autoscale,

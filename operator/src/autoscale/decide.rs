@@ -6,7 +6,11 @@
 //!
 //! - never below the floor (the plan's shards);
 //! - a failed or doubtful read (any [`MetricsError`], or no Prometheus)
-//!   holds what runs: never a scale-in on missing data;
+//!   holds what runs: never a scale-in, a victim or a shed order on missing
+//!   or doubtful data;
+//! - every running shard's connections count, ready or not, and a shard
+//!   holding connections is never a victim for being unready (the HPA's
+//!   rule: unready pods never push a scale-down);
 //! - only a settled fleet is rebalanced (as many ready shards as replicas,
 //!   and no change of replicas in this sync), and never while paused.
 
@@ -14,9 +18,9 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::prometheus::MetricsError;
 use super::observe::{Observation, ShardPod};
 use super::policy;
+use super::prometheus::MetricsError;
 use super::rebalance::{self, ShardLoad, ShedOrder};
 use crate::api::{
     AutoscalingSpec, AutoscalingStatus, ConnectionFleet, ConnectionFleetSpec, Plan, RebalanceSpec,
@@ -208,7 +212,7 @@ impl Decision {
         if let (Some(plan), Some(status)) = (self.shed, out.rebalance.as_mut())
             && acted.sent > 0
         {
-            status.shed_ordered += acted.sent;
+            status.shed_ordered = status.shed_ordered.saturating_add(acted.sent);
             status.last_order_time = Some(plan.at);
             out.events.push(Announcement::normal(
                 Reason::Rebalancing,
@@ -302,7 +306,7 @@ pub fn decide(i: &DecideInput<'_>, memory: &mut Memory) -> Decision {
                 d.victims = least_loaded(
                     &i.observation.pods,
                     &m.shards,
-                    (i.current - target) as usize,
+                    i.current.saturating_sub(target) as usize,
                 );
                 out.events.push(Announcement::normal(
                     Reason::ScaledIn,
@@ -368,20 +372,24 @@ fn doubt(e: &MetricsError) -> Reason {
         MetricsError::Empty(_) => Reason::NoSamples,
         MetricsError::Stale { .. } => Reason::StaleSamples,
         MetricsError::Partial { .. } => Reason::PartialSamples,
+        MetricsError::Doubtful(_) => Reason::DoubtfulSamples,
     }
 }
 
-/// The `n` shards holding the fewest connections (not-ready ones first).
+/// The `n` active shards holding the fewest connections, by load first:
+/// a not-ready shard (or one not running yet, with no sample) goes before a
+/// ready one only at the same load, so only when it holds nothing does it
+/// go first. Terminating pods are no victims: their ReplicaSet no longer
+/// counts them.
 fn least_loaded(pods: &[ShardPod], loads: &[ShardLoad], n: usize) -> Vec<String> {
     let load = |p: &ShardPod| {
         loads
             .iter()
             .find(|l| l.pod == p.name)
-            .map(|l| l.connections)
-            .unwrap_or(0)
+            .map_or(0, |l| l.connections)
     };
-    let mut v: Vec<&ShardPod> = pods.iter().collect();
-    v.sort_by_key(|p| (p.ready, load(p), p.name.clone()));
+    let mut v: Vec<&ShardPod> = pods.iter().filter(|p| p.active).collect();
+    v.sort_by_key(|p| (load(p), p.ready, p.name.clone()));
     v.into_iter().take(n).map(|p| p.name.clone()).collect()
 }
 
@@ -389,7 +397,7 @@ fn least_loaded(pods: &[ShardPod], loads: &[ShardLoad], n: usize) -> Vec<String>
 mod tests {
     use super::*;
     use crate::api::ScalingRules;
-    use crate::autoscale::prometheus::FleetMetrics;
+    use crate::autoscale::prometheus::{Doubt, FleetMetrics};
     use proptest::prelude::*;
 
     const FLOOR: i32 = 2;
@@ -416,11 +424,11 @@ mod tests {
         .unwrap()
     }
 
-    /// Pods `(name, ready, connections)`, each with an IP; metrics read from the ready ones.
+    /// Running pods `(name, ready, connections)`, each with an IP; metrics
+    /// read from all of them, ready or not.
     fn seen(pods: &[(&str, bool, i64)]) -> Observation {
         let shards: Vec<ShardLoad> = pods
             .iter()
-            .filter(|p| p.1)
             .map(|(name, _, c)| ShardLoad {
                 pod: name.to_string(),
                 connections: *c,
@@ -433,6 +441,8 @@ mod tests {
                     name: name.to_string(),
                     ip: Some(format!("10.0.0.{}", name.len())),
                     ready: *ready,
+                    running: true,
+                    active: true,
                 })
                 .collect(),
             metrics: Some(Ok(FleetMetrics {
@@ -549,6 +559,8 @@ mod tests {
                 name: n.to_string(),
                 ip: None,
                 ready: *n != "d",
+                running: *n != "d",
+                active: true,
             })
             .collect();
         let loads = vec![
@@ -568,7 +580,103 @@ mod tests {
         assert_eq!(
             least_loaded(&pods, &loads, 2),
             vec!["d", "b"],
-            "a not-ready shard goes first, then the emptiest"
+            "a not-ready shard holding nothing goes first, then the emptiest"
+        );
+    }
+
+    /// Issue 10, fault 2: a not-ready shard's connections sorted it first.
+    #[test]
+    fn an_unready_shard_is_never_a_victim_for_being_unready() {
+        let pod = |name: &str, ready, running, active| ShardPod {
+            name: name.into(),
+            ip: None,
+            ready,
+            running,
+            active,
+        };
+        let load = |pod: &str, connections| ShardLoad {
+            pod: pod.into(),
+            connections,
+        };
+        let pods = vec![
+            pod("a", true, true, true),
+            pod("b", true, true, true),
+            pod("full", false, true, true), // running, not ready, holding 380
+            pod("idle", false, true, true), // running, not ready, holding 0
+            pod("pending", false, false, true),
+            pod("leaving", false, false, false), // terminating
+        ];
+        let loads = vec![
+            load("a", 20),
+            load("b", 0),
+            load("full", 380),
+            load("idle", 0),
+        ];
+        assert_eq!(
+            least_loaded(&pods, &loads, 6),
+            vec!["idle", "pending", "b", "a", "full"],
+            "by load; unready first only at the same load; a terminating pod never"
+        );
+        assert_eq!(least_loaded(&pods, &loads, 3), vec!["idle", "pending", "b"]);
+    }
+
+    /// Issue 10, fault 2, end to end in decide: all three shards hold
+    /// 380,000 (cap 500,000, 80 % target) and p2 is not ready.
+    #[test]
+    fn an_unready_shards_connections_count_toward_live_load() {
+        let a = autoscaling();
+        let wall = t(1);
+        let obs = seen(&[
+            ("p0", true, 380_000),
+            ("p1", true, 380_000),
+            ("p2", false, 380_000),
+        ]);
+        let mut i = input(Some(&a), None, 3, &obs, &wall);
+        (i.floor, i.shard_capacity) = (1, 500_000);
+        let d = decide(&i, &mut Memory::default());
+        assert_eq!(d.outcome.live, Some(1_140_000));
+        assert_eq!(
+            d.outcome.replicas, 3,
+            "0.95 of 3 × 400,000: within tolerance"
+        );
+        assert!(d.victims.is_empty() && d.outcome.events.is_empty());
+        // Far less load: a scale-in, and the loaded unready shard goes last.
+        let obs = seen(&[("p0", true, 10), ("p1", true, 20), ("p2", false, 30_000)]);
+        let i = DecideInput {
+            observation: &obs,
+            ..i
+        };
+        let d = decide(&i, &mut Memory::default());
+        assert_eq!(d.outcome.replicas, 1);
+        assert_eq!(d.victims, vec!["p0", "p1"]);
+    }
+
+    /// Issue 10, fault 1, in decide: a doubtful read (the reader's answer
+    /// to p2 = NaN) holds 3 shards where a NaN read as 0 recommended 2.
+    #[test]
+    fn a_doubtful_read_holds_and_names_the_doubt() {
+        let (a, r) = (autoscaling(), rebalancing());
+        let wall = t(1);
+        let mut obs = seen(&[
+            ("p0", true, 380_000),
+            ("p1", true, 380_000),
+            ("p2", true, 0),
+        ]);
+        obs.metrics = Some(Err(MetricsError::Doubtful(vec![Doubt::NonFinite {
+            series: "pod p2's live connections".into(),
+            value: "NaN".into(),
+        }])));
+        let mut i = input(Some(&a), Some(&r), 3, &obs, &wall);
+        (i.floor, i.shard_capacity) = (1, 500_000);
+        let d = decide(&i, &mut Memory::default());
+        assert_eq!(d.outcome.replicas, 3);
+        assert!(d.victims.is_empty() && d.shed.is_none());
+        assert_eq!(d.outcome.live, None);
+        let (ok, reason, message) = d.outcome.metrics_condition.unwrap();
+        assert_eq!((ok, reason), (false, Reason::DoubtfulSamples));
+        assert!(
+            message.starts_with("doubtful samples: pod p2's live connections is NaN, not a finite number; holding 3 shards"),
+            "{message}"
         );
     }
 
@@ -594,8 +702,16 @@ mod tests {
                 MetricsError::Partial {
                     missing: 1,
                     expected: 4,
+                    pods: vec!["d".into()],
                 },
                 Reason::PartialSamples,
+            ),
+            (
+                MetricsError::Doubtful(vec![Doubt::Duplicate {
+                    pod: "d".into(),
+                    count: 2,
+                }]),
+                Reason::DoubtfulSamples,
             ),
         ];
         for (e, want) in doubts {
@@ -793,12 +909,14 @@ mod tests {
         /// Replicas follow the last decision (else `current`).
         follow: bool,
         current: i32,
-        /// (ready, has an IP, connections) per pod.
-        pods: Vec<(bool, bool, i64)>,
+        /// (state, has an IP, connections) per pod; state 0: running and
+        /// ready, 1: running, not ready, 2: pending, 3: terminating.
+        pods: Vec<(u8, bool, i64)>,
         /// Replicas follow the last decision, with as many pods, all ready
         /// (else `pods` as they are).
         settled: bool,
-        /// 0: a good read; 1..=4: a MetricsError; 5: no Prometheus.
+        /// 0: a good read; 1..=8: a MetricsError (5..=8: each kind of
+        /// doubtful sample); 9: no Prometheus.
         read: u8,
         socket_memory_bytes: Option<i64>,
         paused: bool,
@@ -864,14 +982,14 @@ mod tests {
             0i32..=14,
             prop::collection::vec(
                 (
-                    prop::bool::weighted(0.85),
+                    prop_oneof![14 => Just(0u8), 2 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)],
                     prop::bool::weighted(0.9),
                     0i64..=3000,
                 ),
                 0..=12,
             ),
             any::<bool>(),
-            prop_oneof![3 => Just(0u8), 2 => 1u8..=5],
+            prop_oneof![3 => Just(0u8), 2 => 1u8..=9],
             proptest::option::of(0i64..=(4 << 30)),
             prop::bool::weighted(0.15),
             0.0f64..=40.0,
@@ -913,9 +1031,9 @@ mod tests {
 
     /// What `s` shows with `current` replicas.
     fn observation(s: &Step, current: i32) -> Observation {
-        let seen: Vec<(bool, bool, i64)> = if s.settled {
+        let seen: Vec<(u8, bool, i64)> = if s.settled {
             (0..current.max(0) as usize)
-                .map(|n| s.pods.get(n).map_or((true, true, 0), |p| (true, p.1, p.2)))
+                .map(|n| s.pods.get(n).map_or((0, true, 0), |p| (0, p.1, p.2)))
                 .collect()
         } else {
             s.pods.clone()
@@ -923,21 +1041,26 @@ mod tests {
         let pods: Vec<ShardPod> = seen
             .iter()
             .enumerate()
-            .map(|(n, (ready, ip, _))| ShardPod {
+            .map(|(n, (state, ip, _))| ShardPod {
                 name: format!("p{n}"),
                 ip: ip.then(|| format!("10.0.0.{n}")),
-                ready: *ready,
+                ready: *state == 0,
+                running: *state <= 1,
+                active: *state <= 2,
             })
             .collect();
+        // As the reader reports them: every running pod, ready or not.
         let shards: Vec<ShardLoad> = seen
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.0)
+            .filter(|(_, p)| p.0 <= 1)
             .map(|(n, p)| ShardLoad {
                 pod: format!("p{n}"),
                 connections: p.2,
             })
             .collect();
+        let doubt = |d: Doubt| Some(Err(MetricsError::Doubtful(vec![d])));
+        let series = || "pod p0's live connections".to_string();
         let metrics = match s.read {
             0 => Some(Ok(FleetMetrics {
                 live: shards.iter().map(|l| l.connections).sum(),
@@ -953,7 +1076,26 @@ mod tests {
             4 => Some(Err(MetricsError::Partial {
                 missing: 1,
                 expected: 2,
+                pods: vec!["p1".into()],
             })),
+            5 => doubt(Doubt::NonFinite {
+                series: series(),
+                value: "NaN".into(),
+            }),
+            6 => doubt(Doubt::Negative {
+                series: series(),
+                value: "-1".into(),
+            }),
+            7 => doubt(Doubt::Implausible {
+                series: series(),
+                value: "1e12".into(),
+                limit: 1000,
+                bound: "the shard cap of 500".into(),
+            }),
+            8 => doubt(Doubt::Duplicate {
+                pod: "p0".into(),
+                count: 2,
+            }),
             _ => None,
         };
         Observation { pods, metrics }
@@ -1036,6 +1178,27 @@ mod tests {
                     prop_assert!(good_read(i) && !i.paused && i.autoscaling.is_some());
                     prop_assert!(d.outcome.replicas < i.current);
                     prop_assert!(d.victims.len() <= (i.current - d.outcome.replicas) as usize);
+                }
+                Ok(())
+            })?;
+        }
+
+        /// Victims are active pods, each holding no more than any active
+        /// pod kept: never one chosen for being unready while it holds more.
+        #[test]
+        fn victims_are_the_least_loaded_whatever_their_readiness(run in arb_run()) {
+            replay(&run, |i, d| {
+                let Some(Ok(m)) = &i.observation.metrics else {
+                    prop_assert!(d.victims.is_empty());
+                    return Ok(());
+                };
+                let load = |name: &str| m.shards.iter().find(|l| l.pod == name).map_or(0, |l| l.connections);
+                for v in &d.victims {
+                    let pod = i.observation.pods.iter().find(|p| &p.name == v);
+                    prop_assert!(pod.is_some_and(|p| p.active), "{} is not an active pod", v);
+                    for kept in i.observation.pods.iter().filter(|p| p.active && !d.victims.contains(&p.name)) {
+                        prop_assert!(load(v) <= load(&kept.name), "{} ({}) chosen over {} ({})", v, load(v), kept.name, load(&kept.name));
+                    }
                 }
                 Ok(())
             })?;

@@ -5,8 +5,10 @@
 //! ```
 //!
 //! - [`observe`]: the fleet's shard pods and its metrics from Prometheus
-//!   ([`prometheus`]), as one [`Observation`]; a doubtful read is observed, not
-//!   an error;
+//!   ([`prometheus`]), checked against the running pods (ready or not) and
+//!   the plan's bounds, as one [`Observation`]; a doubtful read (missing,
+//!   stale, partial, or a sample that cannot be true) is observed, not an
+//!   error;
 //! - [`decide`]: replicas, scale-in victims, shed orders, status parts and
 //!   events, from the observation and the loop's [`Memory`]; shard counts
 //!   from [`policy`] (HPA-like), shed orders from [`rebalance`];
@@ -21,6 +23,8 @@ pub mod observe;
 pub mod policy;
 pub mod prometheus;
 pub mod rebalance;
+#[cfg(test)]
+mod tests;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -58,7 +62,7 @@ pub struct Inputs<'a> {
 /// neither observed nor acted on.
 pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::Error> {
     let observation = if decide::runs(&i.fleet.spec) {
-        observe::observe(i.reader, i.pods, i.fleet).await? // client required
+        observe::observe(i.reader, i.pods, i.fleet, i.plan).await? // client required
     } else {
         Observation::default()
     };

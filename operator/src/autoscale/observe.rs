@@ -7,8 +7,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 
-use super::prometheus::{FleetMetrics, MetricsError, Reader};
-use crate::api::ConnectionFleet;
+use super::prometheus::{Expected, FleetMetrics, MetricsError, Reader};
+use crate::api::{ConnectionFleet, Plan};
 use crate::names::FLEET_LABEL;
 
 /// A shard pod as the metrics loop sees it.
@@ -20,6 +20,12 @@ pub struct ShardPod {
     pub ip: Option<String>,
     /// Ready and not terminating.
     pub ready: bool,
+    /// Phase `Running` and not terminating, ready or not: its connections
+    /// count, and it must report them.
+    pub running: bool,
+    /// Counted by its ReplicaSet: not terminating, and neither `Succeeded`
+    /// nor `Failed`. Only these can be scale-in victims.
+    pub active: bool,
 }
 
 /// What one sync saw of a fleet.
@@ -33,22 +39,25 @@ pub struct Observation {
 }
 
 impl Observation {
-    /// Names of the ready pods: the shards expected to report metrics.
-    pub fn ready(&self) -> Vec<String> {
+    /// Names of the running pods, ready or not: the shards expected to
+    /// report metrics, whose connections count.
+    pub fn running(&self) -> Vec<String> {
         self.pods
             .iter()
-            .filter(|p| p.ready)
+            .filter(|p| p.running)
             .map(|p| p.name.clone())
             .collect()
     }
 }
 
-/// Observes `fleet`: its pods, then its metrics from `reader`. Without a
-/// reader nothing is read (no pod listing either).
+/// Observes `fleet` planned as `plan`: its pods, then its metrics from
+/// `reader`, checked against the running pods and the plan's bounds. Without
+/// a reader nothing is read (no pod listing either).
 pub async fn observe(
     reader: Option<&Reader>,
     pods: &Api<Pod>,
     fleet: &ConnectionFleet,
+    plan: &Plan,
 ) -> Result<Observation, kube::Error> {
     let Some(reader) = reader else {
         return Ok(Observation::default());
@@ -59,8 +68,13 @@ pub async fn observe(
         pods: shard_pods(pods, &name).await?,
         metrics: None,
     };
+    let expected = Expected {
+        pods: seen.running(),
+        shard_capacity: plan.shard_connection_limit,
+        node_memory_bytes: plan.node_memory_bytes,
+    };
     let read = reader
-        .read(&fleet.spec.metrics, &ns, &name, &seen.ready())
+        .read(&fleet.spec.metrics, &ns, &name, &expected)
         .await;
     seen.metrics = Some(read);
     Ok(seen)
@@ -75,17 +89,26 @@ pub async fn shard_pods(api: &Api<Pod>, fleet: &str) -> Result<Vec<ShardPod>, ku
 }
 
 impl From<Pod> for ShardPod {
-    /// Ready: the pod's `Ready` condition is True and it is not being deleted.
+    /// Ready: the pod's `Ready` condition is True; running: its phase is
+    /// `Running`; active: its phase is neither `Succeeded` nor `Failed`;
+    /// none of them while it is being deleted.
     fn from(p: Pod) -> Self {
-        let ready = p.metadata.deletion_timestamp.is_none()
-            && p.status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let alive = p.metadata.deletion_timestamp.is_none();
+        let status = p.status.as_ref();
+        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+        let ready = status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let (running, active) = (
+            alive && phase == "Running",
+            alive && phase != "Succeeded" && phase != "Failed",
+        );
         ShardPod {
             name: p.metadata.name.unwrap_or_default(),
             ip: p.status.and_then(|s| s.pod_ip),
-            ready,
+            ready: alive && ready,
+            running,
+            active,
         }
     }
 }
@@ -94,7 +117,7 @@ impl From<Pod> for ShardPod {
 mod tests {
     use super::*;
 
-    fn pod(ready: &str, deleting: bool) -> Pod {
+    fn pod(phase: &str, ready: &str, deleting: bool) -> Pod {
         let mut meta = serde_json::json!({"name": "p", "labels": {FLEET_LABEL: "f"}});
         if deleting {
             meta["deletionTimestamp"] = "2024-01-01T00:00:00Z".into();
@@ -102,6 +125,7 @@ mod tests {
         serde_json::from_value(serde_json::json!({
             "metadata": meta,
             "status": {
+                "phase": phase,
                 "podIP": "10.0.0.7",
                 "conditions": [{"type": "Ready", "status": ready}],
             },
@@ -111,20 +135,55 @@ mod tests {
 
     #[test]
     fn a_shard_is_ready_when_its_pod_is_ready_and_not_terminating() {
-        let p = ShardPod::from(pod("True", false));
+        let p = ShardPod::from(pod("Running", "True", false));
         assert_eq!(
             p,
             ShardPod {
                 name: "p".into(),
                 ip: Some("10.0.0.7".into()),
-                ready: true
+                ready: true,
+                running: true,
+                active: true,
             }
         );
-        assert!(!ShardPod::from(pod("False", false)).ready);
+        assert!(!ShardPod::from(pod("Running", "False", false)).ready);
         assert!(
-            !ShardPod::from(pod("True", true)).ready,
+            !ShardPod::from(pod("Running", "True", true)).ready,
             "a terminating pod is no longer a shard to count on"
         );
         assert!(!ShardPod::from(Pod::default()).ready, "no status yet");
+    }
+
+    #[test]
+    fn a_running_shard_counts_whatever_its_readiness() {
+        let unready = ShardPod::from(pod("Running", "False", false));
+        assert!(unready.running && unready.active && !unready.ready);
+        let pending = ShardPod::from(pod("Pending", "False", false));
+        assert!(!pending.running && pending.active);
+        let no_status = ShardPod::from(Pod::default());
+        assert!(!no_status.running && no_status.active, "Pending until told");
+        for gone in [
+            pod("Running", "True", true),
+            pod("Failed", "False", false),
+            pod("Succeeded", "False", false),
+        ] {
+            let p = ShardPod::from(gone);
+            assert!(!p.running && !p.active && !p.ready, "{p:?}");
+        }
+        let seen = Observation {
+            pods: vec![
+                ShardPod::from(pod("Running", "True", false)),
+                ShardPod {
+                    name: "q".into(),
+                    ..unready
+                },
+                ShardPod {
+                    name: "r".into(),
+                    ..pending
+                },
+            ],
+            metrics: None,
+        };
+        assert_eq!(seen.running(), vec!["p", "q"]);
     }
 }

@@ -195,7 +195,7 @@ fn limit(history: &History, now: f64, current: i32, rules: &ScalingRules, up: bo
     if up {
         start.saturating_add(step)
     } else {
-        (start - step).max(0)
+        start.saturating_sub(step).max(0)
     }
 }
 

@@ -1,9 +1,13 @@
 //! Reads a fleet's live metrics from Prometheus (prometheus-http-query):
 //! live connections per shard, the busiest node's TCP socket memory, and how
-//! fresh the scrapes are. Any doubt (unreachable, empty, stale, partial) is
-//! an error, which the autoscaler treats as "hold, never scale down".
+//! fresh the scrapes are. Any doubt is an error, which the autoscaler treats
+//! as "hold, never scale down": Prometheus unreachable, no samples, stale
+//! samples, a running shard without a sample (partial), or a sample that
+//! cannot be true ([`validate`]: not finite, negative, implausibly large, or
+//! a pod reported twice).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::time::Duration;
 
 use prometheus_http_query::Client;
@@ -11,6 +15,15 @@ use prometheus_http_query::response::Data;
 
 use super::rebalance::ShardLoad;
 use crate::api::MetricsSpec;
+
+/// A shard reporting more than this many times the plan's per-shard cap
+/// (`shardConnectionLimit`) is implausible, and so is socket memory above
+/// this many times the plan's node memory. The server refuses connections
+/// above its cap, so a true count is at most the cap; the slack covers a
+/// shard still running an older, larger plan during a rollout (up to twice
+/// the new cap) and a custom query that counts a little more than the
+/// server does.
+pub const IMPLAUSIBLE_FACTOR: i64 = 2;
 
 /// Why a fleet's metrics cannot be trusted now.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -29,25 +42,242 @@ pub enum MetricsError {
         /// `metrics.staleAfterSeconds`.
         limit: i32,
     },
-    /// Some ready shards have no live-connection series.
-    #[error("{missing} of {expected} ready shards report no live connections")]
+    /// Some running shards (ready or not) have no live-connection series.
+    #[error("{missing} of {expected} running shards report no live connections ({})", names(.pods))]
     Partial {
-        /// Ready shards without a series.
+        /// Running shards without a series.
         missing: usize,
-        /// Ready shards.
+        /// Running shards.
         expected: usize,
+        /// The first few of them.
+        pods: Vec<String>,
     },
+    /// Some samples cannot be true (never empty).
+    #[error("doubtful samples: {}", Doubts(.0))]
+    Doubtful(Vec<Doubt>),
+}
+
+/// What is wrong with a sample.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum Doubt {
+    /// NaN or ±Inf (e.g. a query dividing by zero for an idle pod).
+    #[error("{series} is {value}, not a finite number")]
+    NonFinite {
+        /// Which sample (metric and pod).
+        series: String,
+        /// Its value, as Prometheus spells it.
+        value: String,
+    },
+    /// Below zero.
+    #[error("{series} is negative ({value})")]
+    Negative {
+        /// Which sample.
+        series: String,
+        /// Its value.
+        value: String,
+    },
+    /// Far above what can be true ([`IMPLAUSIBLE_FACTOR`] × the bound).
+    #[error("{series} is {value}, above {limit} ({IMPLAUSIBLE_FACTOR} × {bound})")]
+    Implausible {
+        /// Which sample.
+        series: String,
+        /// Its value.
+        value: String,
+        /// The most that is plausible.
+        limit: i64,
+        /// What the limit is a multiple of.
+        bound: String,
+    },
+    /// One pod has several live-connection series (a query that does not
+    /// aggregate by pod): which one to believe is unknown.
+    #[error("pod {pod} has {count} live-connection series, one expected")]
+    Duplicate {
+        /// The pod.
+        pod: String,
+        /// Its series.
+        count: usize,
+    },
+}
+
+/// At most this many pods or doubts are named in a message.
+const NAMED: usize = 3;
+
+fn names(pods: &[String]) -> String {
+    let mut s = pods
+        .iter()
+        .take(NAMED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if pods.len() > NAMED {
+        s.push_str(&format!(" and {} more", pods.len() - NAMED));
+    }
+    s
+}
+
+/// Doubts as one line: the first few, and how many more.
+struct Doubts<'a>(&'a [Doubt]);
+
+impl fmt::Display for Doubts<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (n, d) in self.0.iter().take(NAMED).enumerate() {
+            if n > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        if self.0.len() > NAMED {
+            write!(f, "; and {} more", self.0.len() - NAMED)?;
+        }
+        Ok(())
+    }
+}
+
+/// A sample value as Prometheus spells it (`NaN`, `+Inf`, `-Inf`), with
+/// huge values in scientific notation.
+fn show(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else if v.abs() < 1e15 {
+        format!("{v}")
+    } else {
+        format!("{v:e}")
+    }
+}
+
+/// `v` as a whole count, if it is finite, not negative and at most
+/// `limit` (`bound` names what the limit is a multiple of).
+fn count(series: impl Fn() -> String, v: f64, limit: i64, bound: &str) -> Result<i64, Doubt> {
+    if !v.is_finite() {
+        Err(Doubt::NonFinite {
+            series: series(),
+            value: show(v),
+        })
+    } else if v < 0.0 {
+        Err(Doubt::Negative {
+            series: series(),
+            value: show(v),
+        })
+    } else if v > limit as f64 {
+        Err(Doubt::Implausible {
+            series: series(),
+            value: show(v),
+            limit,
+            bound: bound.into(),
+        })
+    } else {
+        // Finite and within [0, limit ≤ i64::MAX]: `as` cannot wrap.
+        Ok(v.round() as i64)
+    }
+}
+
+/// What a fleet's samples are checked against.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Expected {
+    /// Pods that must each report one live-connection sample: the fleet's
+    /// running, non-terminating pods, ready or not.
+    pub pods: Vec<String>,
+    /// The plan's per-shard connection cap (`shardConnectionLimit`).
+    pub shard_capacity: i64,
+    /// The plan's node memory, bytes.
+    pub node_memory_bytes: i64,
+}
+
+impl Expected {
+    /// The most live connections one shard can plausibly report.
+    pub fn connection_limit(&self) -> i64 {
+        self.shard_capacity
+            .max(1)
+            .saturating_mul(IMPLAUSIBLE_FACTOR)
+    }
+
+    /// The most socket memory one node can plausibly report, bytes.
+    pub fn socket_memory_limit(&self) -> i64 {
+        self.node_memory_bytes
+            .max(1)
+            .saturating_mul(IMPLAUSIBLE_FACTOR)
+    }
 }
 
 /// A fleet's metrics at one instant.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FleetMetrics {
-    /// Live connections per shard (pod).
+    /// Live connections per running shard (pod), ready or not.
     pub shards: Vec<ShardLoad>,
-    /// Live connections of the fleet.
+    /// Live connections of the fleet (a saturating sum).
     pub live: i64,
     /// TCP socket memory of the busiest node, bytes, if reported.
     pub socket_memory_bytes: Option<i64>,
+}
+
+/// Checks one read's answers against `expected` (pure): every expected pod
+/// has exactly one live-connection sample, and every sample the decision
+/// uses (connections of expected pods, socket memory) is finite, not
+/// negative and plausible. Samples of other pods (gone, or not running
+/// yet) are ignored. Any doubt is reported before missing pods; socket
+/// memory is the highest of the values (the busiest node).
+pub fn validate(
+    connections: &[(HashMap<String, String>, f64)],
+    socket_memory: &[f64],
+    expected: &Expected,
+) -> Result<FleetMetrics, MetricsError> {
+    let mut by_pod: BTreeMap<&str, Vec<f64>> = expected
+        .pods
+        .iter()
+        .map(|p| (p.as_str(), Vec::new()))
+        .collect();
+    for (labels, v) in connections {
+        if let Some(values) = labels.get("pod").and_then(|p| by_pod.get_mut(p.as_str())) {
+            values.push(*v);
+        }
+    }
+    let (mut doubts, mut missing, mut shards) = (Vec::new(), Vec::new(), Vec::new());
+    let limit = expected.connection_limit();
+    let cap = format!("the shard cap of {}", expected.shard_capacity);
+    for pod in &expected.pods {
+        match by_pod.get(pod.as_str()).map_or(&[][..], |v| &v[..]) {
+            [] => missing.push(pod.clone()),
+            [v] => match count(|| format!("pod {pod}'s live connections"), *v, limit, &cap) {
+                Ok(connections) => shards.push(ShardLoad {
+                    pod: pod.clone(),
+                    connections,
+                }),
+                Err(d) => doubts.push(d),
+            },
+            many => doubts.push(Doubt::Duplicate {
+                pod: pod.clone(),
+                count: many.len(),
+            }),
+        }
+    }
+    let limit = expected.socket_memory_limit();
+    let node = format!("the node's {} B", expected.node_memory_bytes);
+    let mut socket_memory_bytes: Option<i64> = None;
+    for v in socket_memory {
+        match count(|| "TCP socket memory".into(), *v, limit, &node) {
+            Ok(b) => socket_memory_bytes = Some(socket_memory_bytes.map_or(b, |m| m.max(b))),
+            Err(d) => doubts.push(d),
+        }
+    }
+    if !doubts.is_empty() {
+        return Err(MetricsError::Doubtful(doubts));
+    }
+    if !missing.is_empty() {
+        return Err(MetricsError::Partial {
+            missing: missing.len(),
+            expected: expected.pods.len(),
+            pods: missing,
+        });
+    }
+    Ok(FleetMetrics {
+        live: shards
+            .iter()
+            .fold(0i64, |sum, s| sum.saturating_add(s.connections)),
+        shards,
+        socket_memory_bytes,
+    })
 }
 
 /// Substitutes `{namespace}` and `{fleet}` in a query template.
@@ -105,13 +335,13 @@ impl Reader {
         }
     }
 
-    /// Reads the fleet's metrics; `ready_pods` are the shards expected to report.
+    /// Reads the fleet's metrics and [`validate`]s them against `expected`.
     pub async fn read(
         &self,
         spec: &MetricsSpec,
         namespace: &str,
         fleet: &str,
-        ready_pods: &[String],
+        expected: &Expected,
     ) -> Result<FleetMetrics, MetricsError> {
         let timeout = Duration::from_secs(spec.query_timeout_seconds.max(1) as u64);
         let up = render_query(&spec.up_query, namespace, fleet);
@@ -120,6 +350,26 @@ impl Reader {
             .await?;
         if ages.is_empty() {
             return Err(MetricsError::Empty(up));
+        }
+        // A NaN age is no age: never "fresh" (f64::max would skip it).
+        let doubts: Vec<Doubt> = ages
+            .iter()
+            .filter(|(_, a)| !a.is_finite() || *a < 0.0)
+            .map(|(labels, a)| {
+                let series = format!(
+                    "the scrape age of {}",
+                    labels.get("pod").map_or("a shard", String::as_str)
+                );
+                let value = show(*a);
+                if a.is_finite() {
+                    Doubt::Negative { series, value }
+                } else {
+                    Doubt::NonFinite { series, value }
+                }
+            })
+            .collect();
+        if !doubts.is_empty() {
+            return Err(MetricsError::Doubtful(doubts));
         }
         let age = ages.iter().map(|(_, a)| *a).fold(0.0, f64::max);
         if age > spec.stale_after_seconds as f64 {
@@ -133,40 +383,14 @@ impl Reader {
         if per_pod.is_empty() {
             return Err(MetricsError::Empty(q));
         }
-        let shards: Vec<ShardLoad> = per_pod
-            .iter()
-            .filter_map(|(labels, v)| {
-                Some(ShardLoad {
-                    pod: labels.get("pod")?.clone(),
-                    connections: v.max(0.0).round() as i64,
-                })
-            })
-            .collect();
-        let missing = ready_pods
-            .iter()
-            .filter(|p| !shards.iter().any(|s| &s.pod == *p))
-            .count();
-        if missing > 0 {
-            return Err(MetricsError::Partial {
-                missing,
-                expected: ready_pods.len(),
-            });
-        }
-        let shards: Vec<ShardLoad> = shards
-            .into_iter()
-            .filter(|s| ready_pods.contains(&s.pod))
-            .collect();
         let mem = self
             .vector(
                 &render_query(&spec.socket_memory_query, namespace, fleet),
                 timeout,
             )
             .await?;
-        Ok(FleetMetrics {
-            live: shards.iter().map(|s| s.connections).sum(),
-            shards,
-            socket_memory_bytes: mem.first().map(|(_, v)| v.max(0.0) as i64),
-        })
+        let mem: Vec<f64> = mem.into_iter().map(|(_, v)| v).collect();
+        validate(&per_pod, &mem, expected)
     }
 }
 
@@ -193,9 +417,187 @@ mod tests {
             .port();
         let r = Reader::new(&format!("http://127.0.0.1:{port}")).unwrap();
         let err = r
-            .read(&MetricsSpec::default(), "ns", "f", &[])
+            .read(&MetricsSpec::default(), "ns", "f", &Expected::default())
             .await
             .unwrap_err();
         assert!(matches!(err, MetricsError::Unreachable(_)), "{err:?}");
+    }
+
+    fn expected(pods: &[&str]) -> Expected {
+        Expected {
+            pods: pods.iter().map(|p| p.to_string()).collect(),
+            shard_capacity: 500_000,
+            node_memory_bytes: 64 << 30,
+        }
+    }
+
+    fn series(pod: &str, v: f64) -> (HashMap<String, String>, f64) {
+        (HashMap::from([("pod".to_string(), pod.to_string())]), v)
+    }
+
+    fn doubts(r: Result<FleetMetrics, MetricsError>) -> Vec<Doubt> {
+        match r {
+            Err(MetricsError::Doubtful(d)) => d,
+            other => panic!("not doubtful: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn good_samples_of_every_running_shard_are_the_load() {
+        let e = expected(&["p0", "p1", "p2"]);
+        let read = vec![
+            series("p0", 380_000.0),
+            series("p1", 380_000.4),
+            series("p2", 0.0),
+            series("gone", f64::NAN), // a pod no longer running: ignored
+            (HashMap::new(), 7.0),    // no pod label: ignored
+        ];
+        let m = validate(&read, &[100.0, 4096.0], &e).unwrap();
+        assert_eq!(m.live, 760_000);
+        assert_eq!(m.shards.len(), 3);
+        assert_eq!(m.socket_memory_bytes, Some(4096), "the busiest node");
+        assert_eq!(validate(&read, &[], &e).unwrap().socket_memory_bytes, None);
+    }
+
+    #[test]
+    fn every_kind_of_doubt_is_named() {
+        let e = expected(&["p0", "p1", "p2"]);
+        let with = |p2: f64| vec![series("p0", 1.0), series("p1", 2.0), series("p2", p2)];
+        let cases = [
+            (
+                f64::NAN,
+                "pod p2's live connections is NaN, not a finite number",
+            ),
+            (
+                f64::INFINITY,
+                "pod p2's live connections is +Inf, not a finite number",
+            ),
+            (
+                f64::NEG_INFINITY,
+                "pod p2's live connections is -Inf, not a finite number",
+            ),
+            (-3.0, "pod p2's live connections is negative (-3)"),
+            (
+                1_000_001.0,
+                "pod p2's live connections is 1000001, above 1000000 (2 × the shard cap of 500000)",
+            ),
+            (
+                1e300,
+                "pod p2's live connections is 1e300, above 1000000 (2 × the shard cap of 500000)",
+            ),
+        ];
+        for (v, want) in cases {
+            let d = doubts(validate(&with(v), &[], &e));
+            assert_eq!(d.len(), 1, "{v}");
+            assert_eq!(d[0].to_string(), want);
+        }
+        // Exactly twice the cap is still plausible.
+        assert!(validate(&with(1_000_000.0), &[], &e).is_ok());
+        // Two series for one pod: which to believe?
+        let mut read = with(5.0);
+        read.push(series("p1", 2.0));
+        let err = validate(&read, &[], &e).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "doubtful samples: pod p1 has 2 live-connection series, one expected"
+        );
+        // Socket memory gets the same checks (bound: 2 × the node's memory).
+        for (v, want) in [
+            (f64::NAN, "TCP socket memory is NaN, not a finite number"),
+            (-1.0, "TCP socket memory is negative (-1)"),
+            (
+                (256u64 << 30) as f64,
+                "TCP socket memory is 274877906944, above 137438953472 (2 × the node's 68719476736 B)",
+            ),
+        ] {
+            let d = doubts(validate(&with(5.0), &[1.0, v], &e));
+            assert_eq!(d[0].to_string(), want);
+        }
+    }
+
+    #[test]
+    fn a_running_shard_without_a_sample_is_partial() {
+        let e = expected(&["p0", "p1", "p2", "p3", "p4"]);
+        let err = validate(&[series("p0", 1.0)], &[], &e).unwrap_err();
+        assert_eq!(
+            err,
+            MetricsError::Partial {
+                missing: 4,
+                expected: 5,
+                pods: vec!["p1".into(), "p2".into(), "p3".into(), "p4".into()],
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "4 of 5 running shards report no live connections (p1, p2, p3 and 1 more)"
+        );
+        // A doubt is told before a gap.
+        let err = validate(&[series("p0", f64::NAN)], &[], &e).unwrap_err();
+        assert!(matches!(err, MetricsError::Doubtful(_)), "{err}");
+    }
+
+    #[test]
+    fn many_doubts_make_one_short_message() {
+        let e = expected(&["a", "b", "c", "d", "e"]);
+        let read: Vec<_> = e.pods.iter().map(|p| series(p, -1.0)).collect();
+        let msg = validate(&read, &[], &e).unwrap_err().to_string();
+        assert!(msg.ends_with("; and 2 more"), "{msg}");
+        assert_eq!(msg.matches("negative").count(), 3);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// A read is trusted only when every expected pod has exactly one
+        /// finite, non-negative, plausible sample; then the sum saturates.
+        #[test]
+        fn only_believable_samples_are_trusted(
+            values in proptest::collection::vec(
+                proptest::prop_oneof![
+                    4 => 0.0f64..=1_200_000.0,
+                    1 => proptest::num::f64::ANY,
+                    1 => proptest::sample::select(vec![f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.0, -1.0, 1e300]),
+                ],
+                0..=8,
+            ),
+            cap in proptest::prop_oneof![1i64..=1_000_000, proptest::strategy::Just(i64::MAX)],
+            present in proptest::collection::vec(proptest::prelude::any::<bool>(), 8),
+            twice in proptest::option::of(0usize..8),
+        ) {
+            let pods: Vec<String> = (0..values.len()).map(|n| format!("p{n}")).collect();
+            let e = Expected { pods: pods.clone(), shard_capacity: cap, node_memory_bytes: 1 << 30 };
+            let mut read: Vec<_> = values
+                .iter()
+                .enumerate()
+                .filter(|(n, _)| present[*n])
+                .map(|(n, v)| series(&pods[n], *v))
+                .collect();
+            if let Some(n) = twice.filter(|n| *n < values.len()) {
+                read.push(series(&pods[n], 1.0));
+            }
+            let r = validate(&read, &[], &e);
+            let believable = |v: f64| v.is_finite() && v >= 0.0 && v <= e.connection_limit() as f64;
+            // What each pod reported, as read.
+            let per_pod: Vec<Vec<f64>> = pods
+                .iter()
+                .map(|p| read.iter().filter(|(l, _)| l["pod"] == *p).map(|(_, v)| *v).collect())
+                .collect();
+            let trusted = per_pod.iter().all(|v| v.len() == 1 && believable(v[0]));
+            match r {
+                Ok(m) => {
+                    proptest::prop_assert!(trusted, "{:?}", per_pod);
+                    proptest::prop_assert_eq!(m.shards.len(), values.len());
+                    let sum: i128 = m.shards.iter().map(|s| s.connections as i128).sum();
+                    proptest::prop_assert_eq!(m.live as i128, sum.min(i64::MAX as i128));
+                    proptest::prop_assert!(m.shards.iter().all(|s| s.connections >= 0));
+                }
+                Err(MetricsError::Doubtful(d)) => proptest::prop_assert!(!d.is_empty() && !trusted),
+                Err(MetricsError::Partial { missing, .. }) => {
+                    proptest::prop_assert!(!trusted);
+                    proptest::prop_assert_eq!(missing, per_pod.iter().filter(|v| v.is_empty()).count());
+                }
+                Err(other) => proptest::prop_assert!(false, "{}", other),
+            }
+        }
     }
 }
