@@ -10,7 +10,7 @@ export C10M_STATE ?= $(C10M_CACHE)/cluster
 LOCAL_KUBECONFIG := $(C10M_STATE)/kubeconfig
 OPERATOR := target/debug/c10m-operator
 # The operator's modules from the leaves up: none may import one listed after it.
-OPERATOR_LAYERS := names,reason,telemetry,api,plan,render,autoscale,status,reconcile,controller,table
+OPERATOR_LAYERS := names,reason,telemetry,promql,api,plan,render,autoscale,status,reconcile,controller,table
 
 .PHONY: help deps build cluster-up demo down test test-unit lint crd measure-server
 
@@ -23,7 +23,7 @@ help:
 	@echo "make measure-server    c10m-server memory per idle connection, one process (JSON)"
 	@echo "make bench-server      c10m-server vs tokio-naive vs floor probe, 150k connections each (target/bench/server.json)"
 	@echo "make test-server-scale 40k connections over 3 servers; 100k abusive connections"
-	@echo "make fuzz              cargo-fuzz each parser briefly (nightly)"
+	@echo "make fuzz              cargo-fuzz each parser for FUZZ_SECONDS each (default 20; nightly + cargo-fuzz)"
 
 deps:
 	@bash tests/cluster/install-deps.sh
@@ -75,7 +75,14 @@ test-server-scale:
 	$(CARGO) build --release -p c10m-loadgen
 	$(CARGO) test --release -p c10m-server --test scale -- --ignored --nocapture --test-threads 1
 
+# Each target runs FUZZ_SECONDS (e.g. `make fuzz FUZZ_SECONDS=600`); the
+# corpus grows in server-image/fuzz/corpus/ (not committed) and libFuzzer's
+# closing stats give the execs. Needs `cargo install cargo-fuzz` and nightly.
 FUZZ_SECONDS ?= 20
+FUZZ_TARGETS ?= ws_frames ws_handshake admin_request
 fuzz:
-	cd server-image/fuzz && for t in ws_frames ws_handshake admin_request; do \
-	  $(CARGO) +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
+	@command -v cargo-fuzz >/dev/null || { echo "error: cargo-fuzz not found: cargo install cargo-fuzz" >&2; exit 1; }
+	cd server-image/fuzz && for t in $(FUZZ_TARGETS); do \
+	  echo "== fuzz $$t for $(FUZZ_SECONDS) s"; \
+	  $(CARGO) +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 || exit 1; \
+	  echo "== $$t corpus: $$(ls corpus/$$t | wc -l) inputs"; done

@@ -16,12 +16,14 @@
 //! - [`reconcile`]: the driver and the I/O of each step;
 //! - [`controller`]: watches, predicates, CRD install, run configuration;
 //! - [`telemetry`], [`table`]: the operator's own metrics; plan tables.
+//! - [`promql`]: tenant PromQL confined to the fleet's own series (a leaf);
 
 pub mod api;
 pub mod autoscale;
 pub mod controller;
 pub mod names;
 pub mod plan;
+pub mod promql;
 pub mod reason;
 pub mod reconcile;
 pub mod render;

@@ -1,0 +1,219 @@
+//! Tenant PromQL confined to the tenant's own series (pure), the way
+//! prom-label-proxy enforces a label: every vector and matrix selector of a
+//! query, in every subquery, function argument, binary operand and `or`
+//! group, gets the enforced label matchers (`namespace="<fleet namespace>"`,
+//! `fleet="<fleet>"`). A query that already pins one of those labels to the
+//! same value keeps it; any other matcher on an enforced label (another
+//! value, `!=`, a regex) is refused rather than rewritten, so a query never
+//! silently means something else. Parsing is `promql-parser`'s.
+
+use promql_parser::label::{MatchOp, Matcher, Matchers};
+use promql_parser::parser::{self, Expr, VectorSelector};
+
+/// Why a query cannot be confined (the caller names the spec field).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfineError {
+    /// The query does not parse as PromQL.
+    #[error("not valid PromQL: {0}")]
+    Parse(String),
+    /// A selector matches an enforced label other than by equality with its
+    /// enforced value.
+    #[error(
+        "selector {selector} sets label {label:?} to something other than {value:?}; queries are confined to their fleet's own series"
+    )]
+    Conflict {
+        /// The selector, as PromQL.
+        selector: String,
+        /// The enforced label.
+        label: String,
+        /// Its enforced value.
+        value: String,
+    },
+}
+
+/// `query` with every selector confined to the `enforced` (label, value)
+/// pairs, as PromQL text. Errors: [`ConfineError`].
+pub fn confine(query: &str, enforced: &[(&str, &str)]) -> Result<String, ConfineError> {
+    let mut expr = parser::parse(query).map_err(ConfineError::Parse)?;
+    walk(&mut expr, enforced)?;
+    Ok(expr.to_string())
+}
+
+fn walk(e: &mut Expr, enforced: &[(&str, &str)]) -> Result<(), ConfineError> {
+    match e {
+        Expr::VectorSelector(vs) => enforce(vs, enforced),
+        Expr::MatrixSelector(ms) => enforce(&mut ms.vs, enforced),
+        Expr::Aggregate(a) => {
+            walk(&mut a.expr, enforced)?;
+            a.param.as_mut().map_or(Ok(()), |p| walk(p, enforced))
+        }
+        Expr::Unary(u) => walk(&mut u.expr, enforced),
+        Expr::Binary(b) => {
+            walk(&mut b.lhs, enforced)?;
+            walk(&mut b.rhs, enforced)
+        }
+        Expr::Paren(p) => walk(&mut p.expr, enforced),
+        Expr::Subquery(s) => walk(&mut s.expr, enforced),
+        Expr::Call(c) => c.args.args.iter_mut().try_for_each(|a| walk(a, enforced)),
+        Expr::NumberLiteral(_) | Expr::StringLiteral(_) | Expr::Extension(_) => Ok(()),
+    }
+}
+
+/// Adds the enforced matchers to `vs` (to each `or` group when it has them).
+fn enforce(vs: &mut VectorSelector, enforced: &[(&str, &str)]) -> Result<(), ConfineError> {
+    let selector = Expr::VectorSelector(vs.clone()).to_string();
+    let groups: Vec<&mut Vec<Matcher>> = if vs.matchers.or_matchers.is_empty() {
+        vec![&mut vs.matchers.matchers]
+    } else {
+        vs.matchers.or_matchers.iter_mut().collect()
+    };
+    for group in groups {
+        for &(label, value) in enforced {
+            let mut pinned = false;
+            for m in group.iter().filter(|m| m.name == label) {
+                match &m.op {
+                    MatchOp::Equal if m.value == value => pinned = true,
+                    _ => {
+                        return Err(ConfineError::Conflict {
+                            selector: selector.clone(),
+                            label: label.into(),
+                            value: value.into(),
+                        });
+                    }
+                }
+            }
+            if !pinned {
+                group.push(Matcher::new(MatchOp::Equal, label, value));
+            }
+        }
+    }
+    // Keep the struct's invariant: plain matchers live in `matchers`.
+    if !vs.matchers.or_matchers.is_empty() {
+        vs.matchers =
+            Matchers::empty().with_or_matchers(std::mem::take(&mut vs.matchers.or_matchers));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINE: &[(&str, &str)] = &[("namespace", "team-a"), ("fleet", "edge")];
+
+    fn ok(q: &str) -> String {
+        confine(q, MINE).unwrap_or_else(|e| panic!("{q}: {e}"))
+    }
+
+    /// Every selector in the confined query carries both enforced matchers:
+    /// checked on the re-parsed result, not on the text.
+    fn assert_confined(q: &str) {
+        let out = ok(q);
+        let mut e = parser::parse(&out).unwrap();
+        fn check(e: &mut Expr, out: &str) {
+            let mut seen = |vs: &VectorSelector| {
+                let groups: Vec<&Vec<Matcher>> = if vs.matchers.or_matchers.is_empty() {
+                    vec![&vs.matchers.matchers]
+                } else {
+                    vs.matchers.or_matchers.iter().collect()
+                };
+                for g in groups {
+                    for (l, v) in MINE {
+                        assert!(
+                            g.iter().any(|m| m.name == *l
+                                && m.value == *v
+                                && matches!(m.op, MatchOp::Equal)),
+                            "{out}: a selector lacks {l}={v:?}"
+                        );
+                    }
+                }
+            };
+            match e {
+                Expr::VectorSelector(vs) => seen(vs),
+                Expr::MatrixSelector(ms) => seen(&ms.vs),
+                Expr::Aggregate(a) => {
+                    check(&mut a.expr, out);
+                    if let Some(p) = a.param.as_mut() {
+                        check(p, out);
+                    }
+                }
+                Expr::Unary(u) => check(&mut u.expr, out),
+                Expr::Binary(b) => {
+                    check(&mut b.lhs, out);
+                    check(&mut b.rhs, out);
+                }
+                Expr::Paren(p) => check(&mut p.expr, out),
+                Expr::Subquery(s) => check(&mut s.expr, out),
+                Expr::Call(c) => c.args.args.iter_mut().for_each(|a| check(a, out)),
+                _ => {}
+            }
+        }
+        check(&mut e, &out);
+    }
+
+    #[test]
+    fn plain_and_default_queries_are_confined() {
+        // Matchers print sorted by label name.
+        assert_eq!(
+            ok("c10m_connections"),
+            r#"c10m_connections{fleet="edge",namespace="team-a"}"#
+        );
+        // The operator's default query already pins both: unchanged in meaning.
+        assert_confined(r#"sum by (pod) (c10m_connections{namespace="team-a",fleet="edge"})"#);
+        assert_confined(r#"up{namespace="team-a",fleet="edge"}"#);
+    }
+
+    #[test]
+    fn tricky_queries_are_confined_everywhere() {
+        for q in [
+            // `or` and vector matching: both sides.
+            r#"c10m_connections or other_tenant_metric"#,
+            r#"a * on (pod) group_left b"#,
+            r#"sum(a) / ignoring (x) sum(b)"#,
+            // Subqueries, offsets, @.
+            r#"max_over_time(rate(c10m_connections_accepted_total[1m])[10m:30s] offset 5m)"#,
+            r#"c10m_connections offset 1h"#,
+            r#"c10m_connections @ 1700000000"#,
+            // label_replace cannot bring in another namespace's series: its
+            // argument is confined before the labels are rewritten.
+            r#"label_replace(kube_pod_info{namespace="team-a"}, "namespace", "team-a", "", "")"#,
+            // Aggregation parameters and nested functions.
+            r#"topk(3, sum by (pod) (c10m_connections))"#,
+            r#"quantile(0.9, rate(x[5m]))"#,
+            r#"absent(c10m_connections)"#,
+            // A name-less selector.
+            r#"{__name__=~"c10m_.*"}"#,
+            r#"count({__name__=~".+"})"#,
+        ] {
+            assert_confined(q);
+        }
+    }
+
+    #[test]
+    fn selectors_reaching_for_other_series_are_refused() {
+        for q in [
+            r#"c10m_connections{namespace="team-b"}"#,
+            r#"c10m_connections{namespace!="team-a"}"#,
+            r#"c10m_connections{namespace=~".*"}"#,
+            r#"c10m_connections{fleet=~"edge|core"}"#,
+            r#"sum(a) or b{namespace="kube-system"}"#,
+            r#"rate(x{namespace="other"}[5m])"#,
+            r#"max_over_time(x{fleet="other"}[10m:1m])"#,
+        ] {
+            let err = confine(q, MINE).unwrap_err();
+            assert!(matches!(err, ConfineError::Conflict { .. }), "{q}: {err:?}");
+        }
+    }
+
+    #[test]
+    fn numbers_and_strings_need_no_selector() {
+        assert_eq!(ok("vector(1)"), "vector(1)");
+        assert_eq!(ok("1 + 2"), "1 + 2");
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        assert!(matches!(confine("sum(", MINE), Err(ConfineError::Parse(_))));
+        assert!(matches!(confine("", MINE), Err(ConfineError::Parse(_))));
+    }
+}
