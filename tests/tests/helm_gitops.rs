@@ -5,7 +5,7 @@
 //! each test runs the operator binary locally with the chart's arguments and
 //! a token of the chart's ServiceAccount (`kubectl create token`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use c10m_e2e::*;
@@ -20,18 +20,22 @@ fn chart() -> String {
         .into_owned()
 }
 
-/// A Helm release of the chart in its own namespace, watching `fleet_ns`.
+/// A Helm release of the chart in its own namespace, watching `fleet_ns`
+/// (`None`: every namespace, with cluster-wide RBAC).
 struct Release {
     name: String,
     ns: Namespace,
 }
 
 impl Release {
-    fn install(name: &str, fleet_ns: &str, extra: &[&str]) -> (Self, String) {
+    fn install(name: &str, fleet_ns: Option<&str>, extra: &[&str]) -> (Self, String) {
         let ns = Namespace::create(&format!("{name}-op"));
         let chart = chart();
-        let watch = format!("watchNamespace={fleet_ns}");
-        let mut args = vec!["install", name, &chart, "-n", &ns.0, "--set", &watch];
+        let watch = fleet_ns.map(|f| format!("watchNamespace={f}"));
+        let mut args = vec!["install", name, &chart, "-n", &ns.0];
+        if let Some(watch) = &watch {
+            args.extend(["--set", watch.as_str()]);
+        }
         args.extend_from_slice(extra);
         let (ok, out) = helm(&args);
         assert!(ok, "helm install: {out}");
@@ -105,14 +109,85 @@ fn rv(ns: &str, kind: &str, name: &str) -> Value {
     get_json(ns, kind, name).unwrap()["metadata"]["resourceVersion"].clone()
 }
 
+/// `kubectl auth can-i ARGS` with `kubeconfig` (a ServiceAccount's).
+fn can_i(kubeconfig: &Path, args: &[&str]) -> bool {
+    let out = std::process::Command::new("kubectl")
+        .args(["auth", "can-i"])
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(
+        answer == "yes" || answer == "no",
+        "kubectl auth can-i {args:?}: {answer} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    answer == "yes"
+}
+
+/// The objects of a `helm template` rendering, as JSON.
+fn manifests(rendered: &str) -> Vec<Value> {
+    let mut docs = vec![String::new()];
+    for line in rendered.lines() {
+        if line == "---" {
+            docs.push(String::new());
+        } else {
+            let doc = docs.last_mut().unwrap();
+            doc.push_str(line);
+            doc.push('\n');
+        }
+    }
+    docs.iter()
+        .filter(|d| {
+            d.lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        })
+        .map(|d| serde_yaml::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect()
+}
+
+/// The one object of `kind` among `objs`.
+fn only<'a>(objs: &'a [Value], kind: &str) -> &'a Value {
+    let found: Vec<&Value> = objs.iter().filter(|o| o["kind"] == kind).collect();
+    assert_eq!(found.len(), 1, "one {kind} in {objs:?}");
+    found[0]
+}
+
+/// An RBAC object's rules, each as compact JSON (comparable as strings).
+fn rules(obj: &Value) -> Vec<String> {
+    obj["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect()
+}
+
+/// Whether `obj` holds a rule on `resource` (in `group`) granting every verb of `verbs`.
+fn grants(obj: &Value, group: &str, resource: &str, verbs: &[&str]) -> bool {
+    obj["rules"].as_array().unwrap().iter().any(|r| {
+        let has = |key: &str, v: &str| r[key].as_array().unwrap().iter().any(|x| x == v);
+        has("apiGroups", group)
+            && has("resources", resource)
+            && verbs.iter().all(|v| has("verbs", v))
+    })
+}
+
 #[test]
 fn helm_lifecycle_with_least_privilege_rbac() {
+    // A namespaced install never manages the CRD (a cluster-wide write): the
+    // test applies it, as a cluster admin would.
     ensure_crd();
     let fleets = Namespace::create("helm-fleets");
     let fns = fleets.0.as_str();
-    let (release, notes) = Release::install("c10m-h1", fns, &[]);
+    let (release, notes) = Release::install("c10m-h1", Some(fns), &["--set", "crd.manage=false"]);
     assert!(
         notes.contains("`helm uninstall` removes the operator only"),
+        "NOTES: {notes}"
+    );
+    assert!(
+        notes.contains("Its rights are namespaced"),
         "NOTES: {notes}"
     );
 
@@ -127,32 +202,67 @@ fn helm_lifecycle_with_least_privilege_rbac() {
     assert_eq!(pod["serviceAccountName"], "c10m-h1-c10m-operator");
     let args = release.args();
     assert!(args.contains(&format!("--namespace={fns}")), "{args:?}");
-    assert!(args.contains(&"--manage-crd=true".to_string()), "{args:?}");
+    assert!(args.contains(&"--manage-crd=false".to_string()), "{args:?}");
 
-    // The operator runs with the chart's ServiceAccount token, not admin.
+    // The installed RBAC: a Role in the fleets' namespace, and a ClusterRole
+    // that only reads.
+    let role = "c10m-h1-c10m-operator";
+    let installed_role = get_json(fns, "role", role).expect("Role in the watched namespace");
+    assert!(grants(
+        &installed_role,
+        "apps",
+        "deployments",
+        &["create", "patch"]
+    ));
+    let cr: Value =
+        serde_json::from_str(&kubectl(&["get", "clusterrole", role, "-o", "json"])).unwrap();
+    assert_eq!(
+        cr["rules"],
+        serde_json::json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}])
+    );
+
+    // The operator runs with the chart's ServiceAccount token, not admin,
+    // and works with the namespaced Role.
     let (op, sa_kubeconfig) = release.run_operator("helm-h1");
     let (ok, out) = apply(fns, &fleet("edge", 1_000_000));
     assert!(ok, "{out}");
     let f = wait_ready(fns, "edge");
     assert_eq!(f["status"]["desiredShards"], 2);
     assert!(
-        op.log_text().contains("CRD applied and established"),
-        "{}",
+        !op.log_text().contains("CRD applied"),
+        "a namespaced operator must not touch the CRD: {}",
         op.log_text()
     );
     // The token really is the ServiceAccount's: it may not read secrets.
-    let out = std::process::Command::new("kubectl")
-        .args(["auth", "can-i", "list", "secrets", "-A"])
-        .env("KUBECONFIG", &sa_kubeconfig)
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "no");
+    assert!(!can_i(&sa_kubeconfig, &["list", "secrets", "-A"]));
+    // Its rights end at the watched namespace: it may write what a fleet
+    // owns and read fleets' Secrets there, and nowhere else.
+    let other = release.ns.0.as_str();
+    for (verb, resource) in [("create", "deployments"), ("get", "secrets")] {
+        assert!(
+            can_i(&sa_kubeconfig, &[verb, resource, "-n", fns]),
+            "{verb} {resource} in {fns}"
+        );
+        for ns in [other, "default", "kube-system"] {
+            assert!(
+                !can_i(&sa_kubeconfig, &[verb, resource, "-n", ns]),
+                "{verb} {resource} in {ns}"
+            );
+        }
+    }
+    assert!(can_i(&sa_kubeconfig, &["list", "nodes"]));
+    assert!(!can_i(&sa_kubeconfig, &["patch", "nodes"]));
+    assert!(!can_i(
+        &sa_kubeconfig,
+        &[
+            "patch",
+            "customresourcedefinitions.apiextensions.k8s.io/connectionfleets.c10m.dev"
+        ]
+    ));
 
-    // Removing a needed verb is reported clearly, not a silent stall.
-    let role = "c10m-h1-c10m-operator";
-    let cr: Value =
-        serde_json::from_str(&kubectl(&["get", "clusterrole", role, "-o", "json"])).unwrap();
-    let idx = cr["rules"]
+    // Removing a needed verb (now from the namespaced Role) is reported
+    // clearly, not a silent stall.
+    let idx = installed_role["rules"]
         .as_array()
         .unwrap()
         .iter()
@@ -161,7 +271,16 @@ fn helm_lifecycle_with_least_privilege_rbac() {
     let patch = format!(
         r#"[{{"op":"replace","path":"/rules/{idx}/verbs","value":["get","list","watch","create"]}}]"#
     );
-    kubectl(&["patch", "clusterrole", role, "--type=json", "-p", &patch]);
+    kubectl(&[
+        "patch",
+        "role",
+        role,
+        "-n",
+        fns,
+        "--type=json",
+        "-p",
+        &patch,
+    ]);
     let (ok, out) = apply(fns, &fleet("edge", 20_000_000));
     assert!(ok, "{out}");
     let f = wait_for("Degraded ApplyFailed", MINUTE, || {
@@ -219,6 +338,10 @@ fn helm_lifecycle_with_least_privilege_rbac() {
     let (ok, out) = helm(&["uninstall", "c10m-h1", "-n", &release.ns.0]);
     assert!(ok, "{out}");
     assert!(get_json(&release.ns.0, "deployment", "c10m-h1-c10m-operator").is_none());
+    assert!(
+        get_json(fns, "role", role).is_none(),
+        "the Role goes with the release"
+    );
     assert!(get_json(fns, "connectionfleet", "edge").is_some());
     assert!(get_json(fns, "deployment", "edge").is_some());
     kubectl(&["get", "crd", "connectionfleets.c10m.dev"]);
@@ -229,7 +352,7 @@ fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
     ensure_crd();
     let fleets = Namespace::create("gitops-fleets");
     let fns = fleets.0.as_str();
-    let (release, _) = Release::install("c10m-g1", fns, &["--set", "crd.manage=false"]);
+    let (release, _) = Release::install("c10m-g1", Some(fns), &["--set", "crd.manage=false"]);
     let (op, _) = release.run_operator("helm-g1");
     let manifest = fleet("git", 3_000_000);
     // Server-side apply as `manager`, taking over fields another manager set.
@@ -435,4 +558,165 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
     assert!(!ok && out.contains("logFormat"), "{out}");
     let (ok, out) = template(&["--set", "metrics.port=70000"]);
     assert!(!ok && out.contains("metrics"), "{out}");
+}
+
+/// `helm template` of the chart as release `c10m` in `c10m-system`.
+fn template(extra: &[&str]) -> (bool, String) {
+    let chart = chart();
+    let mut args = vec![
+        "template",
+        "c10m",
+        chart.as_str(),
+        "-n",
+        "c10m-system",
+        "--kube-version",
+        "1.35.4",
+    ];
+    args.extend_from_slice(extra);
+    helm(&args)
+}
+
+fn rendered(extra: &[&str]) -> Vec<Value> {
+    let (ok, out) = template(extra);
+    assert!(ok, "helm template {extra:?}: {out}");
+    manifests(&out)
+}
+
+#[test]
+fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
+    const READS: [&str; 3] = ["get", "list", "watch"];
+    let nodes = serde_json::json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}]);
+    let namespaced = rendered(&[
+        "--set",
+        "watchNamespace=team-a",
+        "--set",
+        "crd.manage=false",
+    ]);
+
+    // Cluster-wide: nothing but reads, and only of nodes (node profiles).
+    let cr = only(&namespaced, "ClusterRole");
+    for rule in cr["rules"].as_array().unwrap() {
+        for verb in rule["verbs"].as_array().unwrap() {
+            assert!(
+                READS.contains(&verb.as_str().unwrap()),
+                "cluster-wide {verb} in {rule}"
+            );
+        }
+    }
+    assert_eq!(cr["rules"], nodes);
+    let crb = only(&namespaced, "ClusterRoleBinding");
+    assert_eq!(crb["roleRef"]["kind"], "ClusterRole");
+    assert_eq!(crb["roleRef"]["name"], cr["metadata"]["name"]);
+
+    // Every namespaced right, in the watched namespace only.
+    let role = only(&namespaced, "Role");
+    assert_eq!(role["metadata"]["namespace"], "team-a");
+    for (group, resource, verbs) in [
+        (
+            "c10m.dev",
+            "connectionfleets",
+            &["get", "list", "watch"][..],
+        ),
+        ("c10m.dev", "connectionfleets/status", &["patch"]),
+        (
+            "apps",
+            "deployments",
+            &["get", "list", "watch", "create", "patch"],
+        ),
+        ("", "services", &["get", "list", "watch", "create", "patch"]),
+        (
+            "policy",
+            "poddisruptionbudgets",
+            &["get", "list", "watch", "create", "patch"],
+        ),
+        ("", "pods", &["list", "patch"]),
+        ("", "secrets", &["get", "create"]),
+        ("events.k8s.io", "events", &["create", "patch"]),
+    ] {
+        assert!(
+            grants(role, group, resource, verbs),
+            "Role lacks {verbs:?} on {resource}: {role}"
+        );
+    }
+    let binding = only(&namespaced, "RoleBinding");
+    assert_eq!(binding["metadata"]["namespace"], "team-a");
+    assert_eq!(binding["roleRef"]["kind"], "Role");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    for b in [binding, crb] {
+        assert_eq!(
+            b["subjects"],
+            serde_json::json!([{"kind": "ServiceAccount", "name": "c10m-c10m-operator", "namespace": "c10m-system"}])
+        );
+    }
+    let args = only(&namespaced, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        .clone();
+    assert!(
+        args.as_array()
+            .unwrap()
+            .contains(&"--namespace=team-a".into()),
+        "{args}"
+    );
+    assert!(
+        args.as_array()
+            .unwrap()
+            .contains(&"--manage-crd=false".into()),
+        "{args}"
+    );
+
+    // Without watchNamespace the rendering is as before: one ClusterRole
+    // with the same rules (the Role's, then nodes' reads), plus CRD rights
+    // when crd.manage; no Role.
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    let wide = rendered(&["--set", "crd.manage=false"]);
+    assert!(
+        !wide
+            .iter()
+            .any(|o| o["kind"] == "Role" || o["kind"] == "RoleBinding")
+    );
+    let wide_cr = only(&wide, "ClusterRole");
+    assert_eq!(
+        sorted(rules(wide_cr)),
+        sorted([rules(role), rules(cr)].concat()),
+        "a namespaced install holds the same rights as a cluster-wide one, split by scope"
+    );
+    let managed = rendered(&[]);
+    let managed_cr = only(&managed, "ClusterRole");
+    let crd_rules: Vec<String> = rules(managed_cr)
+        .into_iter()
+        .filter(|r| !rules(wide_cr).contains(r))
+        .collect();
+    assert_eq!(
+        crd_rules,
+        [
+            r#"{"apiGroups":["apiextensions.k8s.io"],"resources":["customresourcedefinitions"],"verbs":["create"]}"#,
+            r#"{"apiGroups":["apiextensions.k8s.io"],"resourceNames":["connectionfleets.c10m.dev"],"resources":["customresourcedefinitions"],"verbs":["get","patch"]}"#,
+        ]
+        .map(|r| serde_json::from_str::<Value>(r).unwrap().to_string())
+    );
+    assert!(grants(
+        managed_cr,
+        "apps",
+        "deployments",
+        &["create", "patch"]
+    ));
+    let args = &only(&managed, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert!(
+        args.as_array()
+            .unwrap()
+            .contains(&"--manage-crd=true".into()),
+        "{args}"
+    );
+    assert!(!args.to_string().contains("--namespace"), "{args}");
+
+    // Managing the CRD is a cluster-wide write: refused with watchNamespace,
+    // naming the value to change.
+    let (ok, out) = template(&["--set", "watchNamespace=team-a"]);
+    assert!(!ok, "crd.manage=true with watchNamespace rendered: {out}");
+    assert!(
+        out.contains("watchNamespace=team-a") && out.contains("set crd.manage=false"),
+        "{out}"
+    );
 }
