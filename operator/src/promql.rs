@@ -31,6 +31,17 @@ pub enum ConfineError {
     },
 }
 
+/// A query template of `spec.metrics` for fleet `fleet` in `namespace`:
+/// `{namespace}` and `{fleet}` substituted (both are DNS labels, so no
+/// quoting is needed), then [`confine`]d to the fleet's own series
+/// (labels `namespace` and `fleet`, as the scrape config sets them).
+pub fn render(template: &str, namespace: &str, fleet: &str) -> Result<String, ConfineError> {
+    let query = template
+        .replace("{namespace}", namespace)
+        .replace("{fleet}", fleet);
+    confine(&query, &[("namespace", namespace), ("fleet", fleet)])
+}
+
 /// `query` with every selector confined to the `enforced` (label, value)
 /// pairs, as PromQL text. Errors: [`ConfineError`].
 pub fn confine(query: &str, enforced: &[(&str, &str)]) -> Result<String, ConfineError> {
@@ -203,6 +214,20 @@ mod tests {
             let err = confine(q, MINE).unwrap_err();
             assert!(matches!(err, ConfineError::Conflict { .. }), "{q}: {err:?}");
         }
+    }
+
+    #[test]
+    fn templates_render_for_their_fleet() {
+        assert_eq!(
+            render(
+                r#"sum by (pod) (c10m_connections{namespace="{namespace}",fleet="{fleet}"})"#,
+                "team-a",
+                "edge"
+            )
+            .unwrap(),
+            r#"sum by (pod) (c10m_connections{fleet="edge",namespace="team-a"})"#
+        );
+        assert!(render(r#"x{namespace="team-b"}"#, "team-a", "edge").is_err());
     }
 
     #[test]

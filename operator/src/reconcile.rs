@@ -363,6 +363,12 @@ fn plan_fleet(fleet: &ConnectionFleet, node: Result<NodeFacts, PlanError>) -> Re
         message: e.to_string(),
     };
     let node = node.map_err(|e| rejected(Reason::NoNodeProfile, e))?;
+    plan::validate::queries(
+        &fleet.spec,
+        &fleet.namespace().unwrap_or_default(),
+        &fleet.name_any(),
+    )
+    .map_err(|e| rejected(Reason::InvalidSpec, e))?;
     plan::plan(&fleet.spec, node).map_err(|e| match e {
         PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
         PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),

@@ -373,6 +373,7 @@ fn doubt(e: &MetricsError) -> Reason {
         MetricsError::Stale { .. } => Reason::StaleSamples,
         MetricsError::Partial { .. } => Reason::PartialSamples,
         MetricsError::Doubtful(_) => Reason::DoubtfulSamples,
+        MetricsError::Refused(_) => Reason::InvalidSpec,
     }
 }
 

@@ -52,6 +52,9 @@ pub enum MetricsError {
         /// The first few of them.
         pods: Vec<String>,
     },
+    /// A query of `spec.metrics` cannot be confined to the fleet's series.
+    #[error("query refused: {0}")]
+    Refused(String),
     /// Some samples cannot be true (never empty).
     #[error("doubtful samples: {}", Doubts(.0))]
     Doubtful(Vec<Doubt>),
@@ -280,11 +283,12 @@ pub fn validate(
     })
 }
 
-/// Substitutes `{namespace}` and `{fleet}` in a query template.
-pub fn render_query(template: &str, namespace: &str, fleet: &str) -> String {
-    template
-        .replace("{namespace}", namespace)
-        .replace("{fleet}", fleet)
+/// A query template rendered for the fleet and confined to its own series
+/// ([`crate::promql::render`]); a query that cannot be confined is
+/// [`MetricsError::Refused`] (the reconcile refuses such a spec first).
+pub fn render_query(template: &str, namespace: &str, fleet: &str) -> Result<String, MetricsError> {
+    crate::promql::render(template, namespace, fleet)
+        .map_err(|e| MetricsError::Refused(format!("{template}: {e}")))
 }
 
 /// A Prometheus client.
@@ -344,7 +348,7 @@ impl Reader {
         expected: &Expected,
     ) -> Result<FleetMetrics, MetricsError> {
         let timeout = Duration::from_secs(spec.query_timeout_seconds.max(1) as u64);
-        let up = render_query(&spec.up_query, namespace, fleet);
+        let up = render_query(&spec.up_query, namespace, fleet)?;
         let ages = self
             .vector(&format!("time() - timestamp({up})"), timeout)
             .await?;
@@ -378,14 +382,14 @@ impl Reader {
                 limit: spec.stale_after_seconds,
             });
         }
-        let q = render_query(&spec.connections_query, namespace, fleet);
+        let q = render_query(&spec.connections_query, namespace, fleet)?;
         let per_pod = self.vector(&q, timeout).await?;
         if per_pod.is_empty() {
             return Err(MetricsError::Empty(q));
         }
         let mem = self
             .vector(
-                &render_query(&spec.socket_memory_query, namespace, fleet),
+                &render_query(&spec.socket_memory_query, namespace, fleet)?,
                 timeout,
             )
             .await?;
@@ -402,9 +406,13 @@ mod tests {
     fn templates_name_the_fleet() {
         let spec = MetricsSpec::default();
         assert_eq!(
-            render_query(&spec.connections_query, "edge", "push"),
-            r#"sum by (pod) (c10m_connections{namespace="edge",fleet="push"})"#
+            render_query(&spec.connections_query, "edge", "push").unwrap(),
+            r#"sum by (pod) (c10m_connections{fleet="push",namespace="edge"})"#
         );
+        assert!(matches!(
+            render_query(r#"up{namespace="other"}"#, "edge", "push"),
+            Err(MetricsError::Refused(_))
+        ));
     }
 
     #[tokio::test]

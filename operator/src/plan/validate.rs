@@ -123,3 +123,38 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
         price_per_hour,
     })
 }
+
+/// The `spec.metrics` query templates of fleet `fleet` in `namespace` can be
+/// confined to the fleet's own series ([`crate::promql::render`]): the
+/// operator runs them with its own Prometheus access, so a query reaching
+/// for other tenants' series is refused, naming the field.
+pub fn queries(spec: &ConnectionFleetSpec, namespace: &str, fleet: &str) -> Result<(), PlanError> {
+    let m = &spec.metrics;
+    for (field, template) in [
+        ("connectionsQuery", &m.connections_query),
+        ("socketMemoryQuery", &m.socket_memory_query),
+        ("upQuery", &m.up_query),
+    ] {
+        crate::promql::render(template, namespace, fleet)
+            .map_err(|e| PlanError::Invalid(format!("spec.metrics.{field}: {e}")))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_queries_confine_and_foreign_ones_are_refused() {
+        let mut spec: ConnectionFleetSpec =
+            serde_json::from_value(serde_json::json!({"connections": 1})).unwrap();
+        queries(&spec, "team-a", "edge").unwrap();
+        spec.metrics.connections_query =
+            r#"sum by (pod) (c10m_connections{namespace="team-b"})"#.into();
+        let err = queries(&spec, "team-a", "edge").unwrap_err().to_string();
+        assert!(err.starts_with("spec.metrics.connectionsQuery: "), "{err}");
+        spec.metrics.connections_query = "sum(".into();
+        assert!(queries(&spec, "team-a", "edge").is_err());
+    }
+}
