@@ -77,10 +77,16 @@ impl Release {
 
     /// Runs the operator as the chart's ServiceAccount with the chart's args.
     fn run_operator(&self, log_name: &str) -> (Operator, PathBuf) {
+        self.run_operator_with(log_name, &[])
+    }
+
+    /// [`Self::run_operator`] with `extra` args after the chart's.
+    fn run_operator_with(&self, log_name: &str, extra: &[&str]) -> (Operator, PathBuf) {
         let sa = format!("{}-c10m-operator", self.name);
         let kubeconfig = service_account_kubeconfig(&self.ns.0, &sa);
         let args = self.args();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
         (Operator::spawn(&args, &kubeconfig, log_name), kubeconfig)
     }
 }
@@ -550,6 +556,24 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
             "{kind} missing from {text}"
         );
     }
+    // So does the namespaced rendering (its Role and RoleBinding in the
+    // watched namespace, here the release's own).
+    let watch = format!("watchNamespace={}", ns.0);
+    let (ok, namespaced) = template(&["--set", &watch, "--set", "crd.manage=false"]);
+    assert!(ok, "{namespaced}");
+    let out = kubectl_with(
+        &["apply", "--dry-run=server", "-n", &ns.0, "-f", "-"],
+        Some(&namespaced),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for kind in ["role.rbac", "rolebinding.rbac", "clusterrole.rbac"] {
+        assert!(text.contains(kind), "{kind} missing from {text}");
+    }
     // The ServiceMonitor is rendered when the cluster serves its API.
     let (ok, with_sm) = template(&["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]);
     assert!(ok && with_sm.contains("kind: ServiceMonitor"), "{with_sm}");
@@ -718,5 +742,43 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
     assert!(
         out.contains("watchNamespace=team-a") && out.contains("set crd.manage=false"),
         "{out}"
+    );
+}
+
+#[test]
+fn cluster_wide_release_manages_its_crd_with_the_chart_rbac() {
+    ensure_crd();
+    let fleets = Namespace::create("helm-wide");
+    let fns = fleets.0.as_str();
+    let (release, _) = Release::install("c10m-w1", None, &[]);
+    let name = "c10m-w1-c10m-operator";
+    let cr: Value =
+        serde_json::from_str(&kubectl(&["get", "clusterrole", name, "-o", "json"])).unwrap();
+    assert!(
+        grants(&cr, "apps", "deployments", &["create", "patch"]),
+        "{cr}"
+    );
+    assert!(get_json(fns, "role", name).is_none());
+    let args = release.args();
+    assert!(args.contains(&"--manage-crd=true".to_string()), "{args:?}");
+    assert!(
+        !args.iter().any(|a| a.starts_with("--namespace")),
+        "{args:?}"
+    );
+    // With the chart's args and ServiceAccount, confined to this test's
+    // namespace by one extra --namespace (other tests' operators run
+    // alongside), the operator applies its CRD and runs fleets.
+    let (op, sa_kubeconfig) = release.run_operator_with("helm-w1", &["--namespace", fns]);
+    assert!(can_i(
+        &sa_kubeconfig,
+        &["create", "deployments", "-n", "default"]
+    ));
+    let (ok, out) = apply(fns, &fleet("wide", 1_000_000));
+    assert!(ok, "{out}");
+    wait_ready(fns, "wide");
+    assert!(
+        op.log_text().contains("CRD applied and established"),
+        "{}",
+        op.log_text()
     );
 }
