@@ -51,6 +51,11 @@ pub enum Protocol {
 /// bounding what a slow client can pin. Chosen, not measured.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u32 = 10;
 
+/// Default seconds a server ping may go unanswered: 10 s, ample for a
+/// round trip across continents while a stuck client is found soon after
+/// its ping. Chosen, not measured.
+pub const DEFAULT_WS_PONG_TIMEOUT_SECS: u32 = 10;
+
 /// Default seconds the server waits for a drain to finish before closing
 /// what is left at once: 25 s, inside Kubernetes' default 30 s
 /// `terminationGracePeriodSeconds` [source: Kubernetes pod lifecycle docs].
@@ -132,6 +137,88 @@ pub struct Config {
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1 << 30))
     )]
     pub max_frame_bytes: usize,
+
+    /// Seconds of silence before the first TCP keepalive probe on an
+    /// accepted connection; 0 turns keepalive off. With the interval and
+    /// count, a peer that vanished is dropped within idle + interval ×
+    /// count seconds (`c10m_wire::keepalive`).
+    #[arg(
+        long,
+        env = env::KEEPALIVE_IDLE_SECS,
+        default_value_t = c10m_wire::keepalive::IDLE_SECS,
+        value_parser = clap::value_parser!(u32).range(0..=32_767)
+    )]
+    pub keepalive_idle_secs: u32,
+
+    /// Seconds between TCP keepalive probes.
+    #[arg(
+        long,
+        env = env::KEEPALIVE_INTERVAL_SECS,
+        default_value_t = c10m_wire::keepalive::INTERVAL_SECS,
+        value_parser = clap::value_parser!(u32).range(1..=32_767)
+    )]
+    pub keepalive_interval_secs: u32,
+
+    /// Unanswered TCP keepalive probes before the kernel drops a connection.
+    #[arg(
+        long,
+        env = env::KEEPALIVE_COUNT,
+        default_value_t = c10m_wire::keepalive::COUNT,
+        value_parser = clap::value_parser!(u32).range(1..=127)
+    )]
+    pub keepalive_count: u32,
+
+    /// Seconds sent data may stay unacknowledged before the kernel drops the
+    /// connection (TCP_USER_TIMEOUT): a dead peer with replies or pings in
+    /// flight gets no keepalive probes. Default: the keepalive's idle +
+    /// interval × count; 0 leaves the kernel's retransmission limit.
+    #[arg(
+        long,
+        env = env::TCP_USER_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u32).range(0..=2_147_483)
+    )]
+    pub tcp_user_timeout_secs: Option<u32>,
+
+    /// Seconds a WebSocket frame may take to arrive once its first byte has;
+    /// a frame still unfinished then closes the connection with status 1008
+    /// (checked once a second).
+    #[arg(
+        long,
+        env = env::FRAME_TIMEOUT_SECS,
+        default_value_t = c10m_wire::partial::FRAME_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub frame_timeout_secs: u32,
+
+    /// Bytes one worker may hold for unfinished WebSocket frames and upgrade
+    /// requests, over all its connections; a connection that would hold more
+    /// is closed with status 1013 (503 before the upgrade). Never below one
+    /// largest frame (`--max-frame-bytes` plus its header).
+    #[arg(
+        long,
+        env = env::PARTIAL_BUDGET_BYTES,
+        default_value_t = c10m_wire::partial::BUDGET_BYTES_PER_WORKER as usize,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=(1 << 40))
+    )]
+    pub partial_budget_bytes: usize,
+
+    /// Seconds without a read after which the server pings a WebSocket; 0
+    /// (the default) never pings. TCP keepalive already finds vanished
+    /// peers; pings also find clients whose TCP stack answers but whose
+    /// application is stuck, and keep proxies that time out idle streams
+    /// from doing so.
+    #[arg(long, env = env::WS_PING_SECS, default_value_t = 0)]
+    pub ws_ping_secs: u32,
+
+    /// Seconds a server ping may go unanswered (no frame read at all) before
+    /// the connection is closed with status 1011.
+    #[arg(
+        long,
+        env = env::WS_PONG_TIMEOUT_SECS,
+        default_value_t = DEFAULT_WS_PONG_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub ws_pong_timeout_secs: u32,
 
     /// Connections closed per second when draining on SIGTERM/SIGINT; 0 (the
     /// default) closes them all at once.
@@ -344,6 +431,14 @@ mod tests {
             ("handshake-timeout-secs", env::HANDSHAKE_TIMEOUT_SECS),
             ("idle-timeout-secs", env::IDLE_TIMEOUT_SECS),
             ("max-frame-bytes", env::MAX_FRAME_BYTES),
+            ("keepalive-idle-secs", env::KEEPALIVE_IDLE_SECS),
+            ("keepalive-interval-secs", env::KEEPALIVE_INTERVAL_SECS),
+            ("keepalive-count", env::KEEPALIVE_COUNT),
+            ("tcp-user-timeout-secs", env::TCP_USER_TIMEOUT_SECS),
+            ("frame-timeout-secs", env::FRAME_TIMEOUT_SECS),
+            ("partial-budget-bytes", env::PARTIAL_BUDGET_BYTES),
+            ("ws-ping-secs", env::WS_PING_SECS),
+            ("ws-pong-timeout-secs", env::WS_PONG_TIMEOUT_SECS),
             ("drain-rate", env::DRAIN_RATE),
             ("drain-timeout-secs", env::DRAIN_TIMEOUT_SECS),
             ("admin-token-file", env::ADMIN_TOKEN_FILE),
@@ -357,6 +452,64 @@ mod tests {
         }
         assert_eq!(envs.len(), expected.len());
         cmd.debug_assert();
+    }
+
+    #[test]
+    fn liveness_and_partial_input_flags() {
+        let none: [(&str, &str); 0] = [];
+        let c = Config::from_env_pairs(none).unwrap();
+        assert_eq!(
+            (
+                c.keepalive_idle_secs,
+                c.keepalive_interval_secs,
+                c.keepalive_count
+            ),
+            (60, 10, 6)
+        );
+        assert_eq!(c.tcp_user_timeout_secs, None);
+        assert_eq!(c.frame_timeout_secs, 10);
+        assert_eq!(c.partial_budget_bytes, 8 << 20);
+        assert_eq!((c.ws_ping_secs, c.ws_pong_timeout_secs), (0, 10));
+        let c = Config::from_env_pairs([
+            (env::KEEPALIVE_IDLE_SECS, "2"),
+            (env::KEEPALIVE_INTERVAL_SECS, "1"),
+            (env::KEEPALIVE_COUNT, "3"),
+            (env::TCP_USER_TIMEOUT_SECS, "0"),
+            (env::FRAME_TIMEOUT_SECS, "4"),
+            (env::PARTIAL_BUDGET_BYTES, "65536"),
+            (env::WS_PING_SECS, "30"),
+            (env::WS_PONG_TIMEOUT_SECS, "5"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                c.keepalive_idle_secs,
+                c.keepalive_interval_secs,
+                c.keepalive_count
+            ),
+            (2, 1, 3)
+        );
+        assert_eq!(c.tcp_user_timeout_secs, Some(0));
+        assert_eq!((c.frame_timeout_secs, c.partial_budget_bytes), (4, 65_536));
+        assert_eq!((c.ws_ping_secs, c.ws_pong_timeout_secs), (30, 5));
+        // The kernel's bounds (TCP_KEEPIDLE/INTVL <= 32767, KEEPCNT <= 127,
+        // TCP_USER_TIMEOUT in int milliseconds) and the positive ones.
+        for (name, value) in [
+            (env::KEEPALIVE_IDLE_SECS, "32768"),
+            (env::KEEPALIVE_INTERVAL_SECS, "0"),
+            (env::KEEPALIVE_COUNT, "0"),
+            (env::KEEPALIVE_COUNT, "128"),
+            (env::TCP_USER_TIMEOUT_SECS, "2147484"),
+            (env::FRAME_TIMEOUT_SECS, "0"),
+            (env::PARTIAL_BUDGET_BYTES, "0"),
+            (env::WS_PONG_TIMEOUT_SECS, "0"),
+            (env::WS_PING_SECS, "-1"),
+        ] {
+            assert!(
+                Config::from_env_pairs([(name, value)]).is_err(),
+                "{name}={value}"
+            );
+        }
     }
 
     #[test]

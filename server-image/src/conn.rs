@@ -1,14 +1,22 @@
 //! Per-connection state and the two protocol pumps (echo, WebSocket).
 //!
 //! A connection is one slab entry of 16 bytes on 64-bit Linux: the socket's
-//! descriptor (4 B), a packed word holding its phase and a coarse timestamp
-//! (4 B), and one nullable pointer (8 B) to [`Extra`], which exists only
-//! while the connection is mid-something: a write the kernel did not take,
-//! an incomplete WebSocket frame or upgrade request, a fragmented message in
-//! flight. An idle connection holds no buffer at all; reads go through one
-//! scratch buffer owned by the worker and replies are built in one output
-//! buffer owned by the worker. The kernel spends ~3.9 KiB on the socket
-//! itself [measured, `shared/KERNEL_FACTS.md`].
+//! descriptor (4 B), a packed word holding its phase, a "pinged" flag and a
+//! coarse timestamp (4 B), and one nullable pointer (8 B) to [`Extra`],
+//! which exists only while the connection is mid-something: a write the
+//! kernel did not take, an incomplete WebSocket frame or upgrade request, a
+//! fragmented message in flight. An idle connection holds no buffer at all;
+//! reads go through one scratch buffer owned by the worker and replies are
+//! built in one output buffer owned by the worker. The kernel spends
+//! ~3.9 KiB on the socket itself [measured, `docs/KERNEL_FACTS.md`].
+//!
+//! Bytes of unfinished frames and upgrade requests are the only input a
+//! connection holds between reads. They are charged to the worker's
+//! [`Budget`]: a connection that would hold more than the budget has left
+//! is closed (WebSocket close 1013, or 503 during the upgrade), so however
+//! many clients stop in the middle of a frame, a worker holds at most its
+//! budget for them. A frame that does not complete within the frame
+//! timeout is closed by the worker's sweep ([`Conn::partial_since`]).
 
 use std::io::{self, ErrorKind, Read, Write};
 
@@ -18,6 +26,16 @@ use crate::ws;
 /// worker started): 2^28 s is 8.5 years, so it never wraps in practice.
 pub const TICK_BITS: u32 = 28;
 const TICK_MASK: u32 = (1 << TICK_BITS) - 1;
+/// Bit of the packed word set in [`Phase::Handshake`].
+const HANDSHAKE_BIT: u32 = 1 << TICK_BITS;
+/// Bit of the packed word set while a server ping awaits an answer.
+const PINGED_BIT: u32 = 1 << (TICK_BITS + 1);
+
+/// Below this many bytes of capacity a held input buffer is never copied to
+/// a smaller one; above it, a buffer more than twice the bytes it still
+/// holds is (so a finished 64 KiB frame followed by 10 bytes of the next
+/// does not keep 64 KiB charged). Chosen, not measured.
+const SHRINK_ABOVE: usize = 1024;
 
 /// Reads one pump call may do before yielding to the worker's other
 /// connections, in reads of up to the 64 KiB scratch buffer: 16 (1 MiB) per
@@ -49,11 +67,25 @@ pub enum CloseReason {
     ProtocolError,
     /// A WebSocket frame above `--max-frame-bytes` (closed with 1009).
     TooLarge,
+    /// A WebSocket frame (after the upgrade) did not complete within
+    /// `--frame-timeout-secs` of its first byte (closed with 1008).
+    FrameTimeout,
+    /// Holding this connection's unfinished frame or upgrade request would
+    /// pass the worker's `--partial-budget-bytes` (closed with 1013 "try
+    /// again later", or 503 during the upgrade).
+    Budget,
+    /// A server ping (`--ws-ping-secs`) got no answer within
+    /// `--ws-pong-timeout-secs` (closed with 1011).
+    PingTimeout,
+    /// The kernel gave up on the peer: keepalive probes or retransmissions
+    /// went unanswered (`ETIMEDOUT`, the TCP user timeout) or the peer became
+    /// unreachable (`EHOSTUNREACH`, `ENETUNREACH`, `ENETDOWN`).
+    Unreachable,
 }
 
 impl CloseReason {
     /// Every reason, in label order.
-    pub const ALL: [CloseReason; 10] = [
+    pub const ALL: [CloseReason; 14] = [
         Self::Peer,
         Self::Reset,
         Self::Error,
@@ -64,6 +96,10 @@ impl CloseReason {
         Self::BadHandshake,
         Self::ProtocolError,
         Self::TooLarge,
+        Self::FrameTimeout,
+        Self::Budget,
+        Self::PingTimeout,
+        Self::Unreachable,
     ];
 
     /// The `reason` label value.
@@ -79,6 +115,23 @@ impl CloseReason {
             Self::BadHandshake => "bad_handshake",
             Self::ProtocolError => "protocol_error",
             Self::TooLarge => "too_large",
+            Self::FrameTimeout => "frame_timeout",
+            Self::Budget => "budget",
+            Self::PingTimeout => "ping_timeout",
+            Self::Unreachable => "unreachable",
+        }
+    }
+
+    /// The WebSocket close status the server sends when it closes an
+    /// upgraded connection for this reason on its own initiative (drain,
+    /// shed, timeouts) [RFC 6455 §7.4.1]: 1008 (policy violation) for a
+    /// frame past its deadline, 1011 for an unanswered ping (as Python's
+    /// `websockets` does), 1001 (going away) otherwise.
+    pub fn ws_code(self) -> u16 {
+        match self {
+            Self::FrameTimeout => ws::code::POLICY_VIOLATION,
+            Self::PingTimeout => ws::code::INTERNAL_ERROR,
+            _ => ws::code::GOING_AWAY,
         }
     }
 }
@@ -106,6 +159,8 @@ pub struct Extra {
     msg: ws::Message,
     /// Close once `unsent` is flushed (a goodbye or error reply is queued).
     close_after: Option<CloseReason>,
+    /// Tick at which the unfinished frame in `input` began to arrive.
+    partial_since: u32,
 }
 
 impl Extra {
@@ -123,7 +178,8 @@ pub struct Conn<S> {
     /// The socket (in the server, a non-blocking `std::net::TcpStream`
     /// registered with the worker's `mio::Poll`).
     pub stream: S,
-    /// Phase in the top bits, timestamp (ticks) in the low [`TICK_BITS`].
+    /// Timestamp (ticks) in the low [`TICK_BITS`], then the phase bit and
+    /// the pinged bit.
     meta: u32,
     /// State of a busy connection; `None` whenever it is idle.
     extra: Option<Box<Extra>>,
@@ -154,6 +210,39 @@ pub enum Status {
     Closed(CloseReason),
 }
 
+/// The bytes one worker may hold for unfinished frames and upgrade
+/// requests, summed over its connections (the capacity of their held input
+/// buffers), and what they hold now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Budget {
+    /// Most bytes held at once (`--partial-budget-bytes`).
+    pub limit: usize,
+    /// Bytes held now.
+    pub used: usize,
+}
+
+impl Budget {
+    /// An unused budget of `limit` bytes.
+    pub fn new(limit: usize) -> Self {
+        Budget { limit, used: 0 }
+    }
+
+    /// Whether a connection holding `held` bytes may hold `new` instead.
+    fn allows(&self, held: usize, new: usize) -> bool {
+        new <= held || self.used.saturating_sub(held).saturating_add(new) <= self.limit
+    }
+
+    /// Records that a connection holding `held` bytes now holds `new`.
+    fn charge(&mut self, held: usize, new: usize) {
+        self.used = self.used.saturating_sub(held).saturating_add(new);
+    }
+
+    /// Releases what a closed connection held ([`Conn::held`]).
+    pub fn release(&mut self, held: usize) {
+        self.charge(held, 0);
+    }
+}
+
 /// Per-worker buffers and limits a pump works with.
 #[derive(Debug)]
 pub struct Ctx<'a> {
@@ -162,6 +251,13 @@ pub struct Ctx<'a> {
     /// Output buffer shared by all of the worker's connections; a pump
     /// leaves it empty.
     pub out: &'a mut Vec<u8>,
+    /// Buffer shared by all of the worker's connections where held input
+    /// and a new read are joined when the held buffer may not grow (its
+    /// capacity stays with the worker: at most a largest frame plus one
+    /// read).
+    pub join: &'a mut Vec<u8>,
+    /// The worker's budget for held input.
+    pub budget: &'a mut Budget,
     /// Largest WebSocket frame payload accepted, in bytes.
     pub max_frame: usize,
     /// Current tick (seconds since the worker started).
@@ -175,6 +271,10 @@ fn close_reason(e: &io::Error) -> CloseReason {
         ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted => {
             CloseReason::Reset
         }
+        ErrorKind::TimedOut
+        | ErrorKind::HostUnreachable
+        | ErrorKind::NetworkUnreachable
+        | ErrorKind::NetworkDown => CloseReason::Unreachable,
         _ => CloseReason::Error,
     }
 }
@@ -217,16 +317,18 @@ fn read_once<R: Read>(r: &mut R, buf: &mut [u8]) -> Read1 {
 impl<S: Read + Write> Conn<S> {
     /// A connection accepted at tick `now`, in `phase`.
     pub fn new(stream: S, phase: Phase, now: u32) -> Self {
-        Conn {
+        let mut c = Conn {
             stream,
-            meta: ((phase as u32) << TICK_BITS) | (now & TICK_MASK),
+            meta: now & TICK_MASK,
             extra: None,
-        }
+        };
+        c.set_phase(phase);
+        c
     }
 
     /// The protocol phase.
     pub fn phase(&self) -> Phase {
-        if self.meta >> TICK_BITS == Phase::Handshake as u32 {
+        if self.meta & HANDSHAKE_BIT != 0 {
             Phase::Handshake
         } else {
             Phase::Open
@@ -234,7 +336,10 @@ impl<S: Read + Write> Conn<S> {
     }
 
     fn set_phase(&mut self, p: Phase) {
-        self.meta = ((p as u32) << TICK_BITS) | (self.meta & TICK_MASK);
+        match p {
+            Phase::Handshake => self.meta |= HANDSHAKE_BIT,
+            Phase::Open => self.meta &= !HANDSHAKE_BIT,
+        }
     }
 
     /// Tick of the last read (or of the accept, before any).
@@ -242,8 +347,31 @@ impl<S: Read + Write> Conn<S> {
         self.meta & TICK_MASK
     }
 
+    /// Records a read at tick `now`; any read answers a server ping.
     fn touch(&mut self, now: u32) {
-        self.meta = (self.meta & !TICK_MASK) | (now & TICK_MASK);
+        self.meta = (self.meta & !(TICK_MASK | PINGED_BIT)) | (now & TICK_MASK);
+    }
+
+    /// Whether a server ping was sent and nothing was read since.
+    pub fn pinged(&self) -> bool {
+        self.meta & PINGED_BIT != 0
+    }
+
+    /// Tick at which the unfinished frame this connection holds began to
+    /// arrive; `None` if it holds no unfinished frame (upgrade requests are
+    /// bounded by the handshake timeout instead).
+    pub fn partial_since(&self) -> Option<u32> {
+        match self.extra.as_deref() {
+            Some(e) if !e.input.is_empty() && self.phase() == Phase::Open => Some(e.partial_since),
+            _ => None,
+        }
+    }
+
+    /// Bytes this connection holds for unfinished input, as charged to the
+    /// worker's [`Budget`]: the worker releases them when it drops the
+    /// connection.
+    pub fn held(&self) -> usize {
+        self.extra.as_deref().map_or(0, |e| e.input.capacity())
     }
 
     /// Whether the connection holds no state beyond its 16 bytes.
@@ -410,63 +538,162 @@ impl<S: Read + Write> Conn<S> {
         Status::Busy
     }
 
-    /// Runs the protocol over the kept input plus the `n` new bytes in
-    /// `ctx.scratch`, appending replies to `ctx.out`; keeps what is left of
-    /// an incomplete frame. Returns a close reason if the connection ends.
+    /// Runs the protocol over the held input plus the `n` new bytes in
+    /// `ctx.scratch`, appending replies to `ctx.out`; holds what is left of
+    /// an unfinished frame or request, charged to `ctx.budget`. Returns a
+    /// close reason if the connection ends.
+    ///
+    /// The held buffer grows in place (doubling, up to the unfinished
+    /// frame's size) while the budget allows. When it does not, the held
+    /// bytes and the new ones are joined in the worker's `ctx.join` buffer
+    /// instead: a frame that completes there costs nothing held, and only a
+    /// connection that would then hold more than before is closed
+    /// ([`CloseReason::Budget`]).
     fn consume(&mut self, n: usize, ctx: &mut Ctx<'_>) -> Option<CloseReason> {
         let mut phase = self.phase();
-        let mut msg = self.extra.as_deref().map(|e| e.msg).unwrap_or_default();
-        let kept = self
-            .extra
-            .as_deref_mut()
-            .map(|e| std::mem::take(&mut e.input));
-        let (consumed, closing, mut buf) = match kept {
-            Some(mut input) if !input.is_empty() => {
-                input.extend_from_slice(&ctx.scratch[..n]);
-                let (c, r) = step(&mut phase, &mut msg, &input, ctx.out, ctx.max_frame);
-                (c, r, Some(input))
-            }
-            _ => {
-                let (c, r) = step(
-                    &mut phase,
-                    &mut msg,
-                    &ctx.scratch[..n],
-                    ctx.out,
-                    ctx.max_frame,
-                );
-                (c, r, None)
-            }
+        let (mut msg, mut kept, since) = match self.extra.as_deref_mut() {
+            Some(e) => (e.msg, std::mem::take(&mut e.input), e.partial_since),
+            None => (ws::Message::default(), Vec::new(), ctx.now),
         };
+        let held = kept.capacity();
+        let fresh = &ctx.scratch[..n];
+        let max_frame = ctx.max_frame;
+        let mut joined = false;
+        if !kept.is_empty() {
+            let need = kept.len() + n;
+            if need > kept.capacity() {
+                let target = need.max(
+                    kept.capacity()
+                        .saturating_mul(2)
+                        .min(grow_limit(phase, &kept, max_frame)),
+                );
+                if ctx.budget.allows(held, target) {
+                    kept.reserve_exact(target - kept.len());
+                } else {
+                    ctx.join.clear();
+                    ctx.join.extend_from_slice(&kept);
+                    joined = true;
+                }
+            }
+            if joined {
+                ctx.join.extend_from_slice(fresh);
+            } else {
+                kept.extend_from_slice(fresh);
+            }
+        }
+        // Where the bytes to run are: the held buffer (grown), the join
+        // buffer, or (nothing held) the read itself.
+        let in_kept = !joined && !kept.is_empty();
+        let input: &[u8] = if joined {
+            ctx.join
+        } else if in_kept {
+            &kept
+        } else {
+            fresh
+        };
+        let (consumed, closing) = step(&mut phase, &mut msg, input, ctx.out, max_frame);
         self.set_phase(phase);
         if closing.is_some() {
+            ctx.budget.release(held);
             return closing;
         }
-        let leftover: Vec<u8> = match buf.as_mut() {
-            Some(input) => {
-                input.drain(..consumed);
-                std::mem::take(input)
-            }
-            None => ctx.scratch[consumed..n].to_vec(),
+        let rest = input.len() - consumed;
+        // The unfinished frame (or request) at the start of what is left is
+        // the one held before if nothing was consumed; else it began with
+        // this read.
+        let started = if consumed == 0 && held > 0 {
+            since
+        } else {
+            ctx.now
         };
+        let leftover = if rest == 0 {
+            Vec::new()
+        } else if in_kept && (kept.capacity() <= SHRINK_ABOVE || kept.capacity() <= 2 * rest) {
+            // Keep the grown buffer: it still fits what is left.
+            kept.drain(..consumed);
+            kept
+        } else if joined && rest <= held {
+            // The old buffer holds what is left: no new charge.
+            kept.clear();
+            kept.extend_from_slice(&ctx.join[consumed..]);
+            kept
+        } else if ctx.budget.allows(held, rest) {
+            let from: &[u8] = if joined {
+                ctx.join
+            } else if in_kept {
+                &kept
+            } else {
+                fresh
+            };
+            from[consumed..].to_vec()
+        } else {
+            ctx.budget.release(held);
+            over_budget(phase, ctx.out);
+            return Some(CloseReason::Budget);
+        };
+        ctx.budget.charge(held, leftover.capacity());
         if !leftover.is_empty() || !msg.is_idle() {
             let e = self.extra();
             e.input = leftover;
             e.msg = msg;
+            e.partial_since = started;
         } else if let Some(e) = self.extra.as_deref_mut() {
             e.msg = msg;
         }
         None
     }
 
-    /// Queues a protocol goodbye (WebSocket close 1001 once upgraded;
-    /// nothing for echo) and tries to write it, best effort: the caller
-    /// shuts the socket down and drops it next.
-    pub fn goodbye(&mut self, websocket: bool, out: &mut Vec<u8>, t: &mut Traffic) {
+    /// Sends a server ping (empty payload) and marks the connection as
+    /// pinged until its next read. Like any reply, what the kernel does not
+    /// take is kept; the caller waits for writability if
+    /// [`Conn::has_unsent`] says so.
+    pub fn ping(&mut self, out: &mut Vec<u8>, t: &mut Traffic) -> Result<(), CloseReason> {
+        ws::write_header(out, true, ws::opcode::PING, 0);
+        self.meta |= PINGED_BIT;
+        self.send(out, t)
+    }
+
+    /// Queues a protocol goodbye (WebSocket close with the status for
+    /// `reason` once upgraded, see [`CloseReason::ws_code`]; nothing for
+    /// echo) and tries to write it, best effort: the caller shuts the socket
+    /// down and drops it next.
+    pub fn goodbye(
+        &mut self,
+        websocket: bool,
+        reason: CloseReason,
+        out: &mut Vec<u8>,
+        t: &mut Traffic,
+    ) {
         if websocket && self.phase() == Phase::Open {
-            ws::write_close(out, ws::code::GOING_AWAY);
+            ws::write_close(out, reason.ws_code());
             let _ = self.send(out, t);
         }
         out.clear();
+    }
+}
+
+/// The most a held buffer grows to by doubling: the size of the unfinished
+/// frame it starts with when its header has arrived (a largest frame plus
+/// its header at most), the request head limit during the upgrade.
+fn grow_limit(phase: Phase, kept: &[u8], max_frame: usize) -> usize {
+    match phase {
+        Phase::Handshake => ws::MAX_HANDSHAKE_BYTES,
+        Phase::Open => match ws::parse_header(kept) {
+            Ok(Some(h)) => h
+                .header_len
+                .saturating_add(usize::try_from(h.len).unwrap_or(usize::MAX))
+                .min(max_frame.saturating_add(ws::MAX_HEADER_BYTES)),
+            _ => ws::MAX_HEADER_BYTES,
+        },
+    }
+}
+
+/// Appends the answer to a connection the budget cannot hold: 503 during
+/// the upgrade, close 1013 ("try again later") after it.
+fn over_budget(phase: Phase, out: &mut Vec<u8>) {
+    match phase {
+        Phase::Handshake => out.extend_from_slice(ws::BUSY_RESPONSE),
+        Phase::Open => ws::write_close(out, ws::code::TRY_AGAIN_LATER),
     }
 }
 
@@ -570,6 +797,9 @@ mod tests {
     struct Bufs {
         scratch: Vec<u8>,
         out: Vec<u8>,
+        join: Vec<u8>,
+        budget: Budget,
+        now: u32,
     }
 
     impl Bufs {
@@ -577,14 +807,19 @@ mod tests {
             Bufs {
                 scratch: vec![0; scratch],
                 out: Vec::new(),
+                join: Vec::new(),
+                budget: Budget::new(1 << 20),
+                now: 9,
             }
         }
         fn ctx(&mut self) -> Ctx<'_> {
             Ctx {
                 scratch: &mut self.scratch,
                 out: &mut self.out,
+                join: &mut self.join,
+                budget: &mut self.budget,
                 max_frame: 1024,
-                now: 9,
+                now: self.now,
                 traffic: Traffic::default(),
             }
         }
@@ -689,7 +924,9 @@ mod tests {
         let mut c = fake(&[], usize::MAX, Phase::Open);
         c.stream.reads.push_back(Err(ErrorKind::Interrupted.into()));
         c.stream.reads.push_back(Ok(b"ok".to_vec()));
-        c.stream.reads.push_back(Err(ErrorKind::TimedOut.into()));
+        c.stream
+            .reads
+            .push_back(Err(ErrorKind::PermissionDenied.into()));
         assert_eq!(c.echo(&mut b.ctx()), Status::Closed(CloseReason::Error));
         assert_eq!(c.stream.written, b"ok");
     }
@@ -798,14 +1035,186 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         let mut b = Bufs::new(8);
         let mut t = Traffic::default();
         let mut c = fake(&[], usize::MAX, Phase::Open);
-        c.goodbye(true, &mut b.out, &mut t);
+        c.goodbye(true, CloseReason::Shutdown, &mut b.out, &mut t);
         assert_eq!(c.stream.written, [0x88, 2, 0x03, 0xe9]);
         let mut c = fake(&[], usize::MAX, Phase::Handshake);
-        c.goodbye(true, &mut b.out, &mut t);
+        c.goodbye(true, CloseReason::Shutdown, &mut b.out, &mut t);
         assert!(c.stream.written.is_empty());
         let mut c = fake(&[], usize::MAX, Phase::Open);
-        c.goodbye(false, &mut b.out, &mut t);
+        c.goodbye(false, CloseReason::Shutdown, &mut b.out, &mut t);
         assert!(c.stream.written.is_empty());
         assert!(b.out.is_empty());
+        // Timeouts name themselves: 1008 for a frame past its deadline,
+        // 1011 for an unanswered ping.
+        for (reason, code) in [
+            (CloseReason::FrameTimeout, 1008u16),
+            (CloseReason::PingTimeout, 1011),
+            (CloseReason::Shed, 1001),
+            (CloseReason::IdleTimeout, 1001),
+        ] {
+            let mut c = fake(&[], usize::MAX, Phase::Open);
+            c.goodbye(true, reason, &mut b.out, &mut t);
+            let mut want = vec![0x88, 2];
+            want.extend_from_slice(&code.to_be_bytes());
+            assert_eq!(c.stream.written, want, "{reason:?}");
+        }
+    }
+
+    /// An upgraded connection (the 101 already written and cleared).
+    fn open(reads: &[&[u8]]) -> Conn<Fake> {
+        fake(reads, usize::MAX, Phase::Open)
+    }
+
+    #[test]
+    fn a_partial_frame_is_charged_while_held_and_released_when_done() {
+        let frame = ws::client_frame(true, ws::opcode::BINARY, &[5; 600], M);
+        let mut c = open(&[&frame[..100]]);
+        let mut b = Bufs::new(4096);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(c.held(), 100, "exactly what is held");
+        assert_eq!(b.budget.used, 100);
+        assert_eq!(c.partial_since(), Some(9));
+        // More of the same frame, later: the buffer grows by doubling (up
+        // to the frame's size), the frame keeps its start time.
+        b.now = 12;
+        c.stream.reads.push_back(Ok(frame[100..300].to_vec()));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(c.held(), 300);
+        assert_eq!(b.budget.used, 300);
+        assert_eq!(c.partial_since(), Some(9), "a trickle does not extend it");
+        c.stream.reads.push_back(Ok(frame[300..].to_vec()));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!((c.held(), b.budget.used), (0, 0));
+        assert!(c.is_idle());
+        assert_eq!(c.partial_since(), None);
+        assert_eq!(c.stream.written.len(), 600 + 4);
+    }
+
+    #[test]
+    fn growth_stops_at_the_frame_size() {
+        let frame = ws::client_frame(true, ws::opcode::BINARY, &[5; 1000], M);
+        let mut c = open(&[&frame[..600], &frame[600..700]]);
+        let mut b = Bufs::new(600);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        // 600, then 700 needed: doubling would give 1200, the frame is 1008.
+        assert_eq!(c.held(), frame.len());
+        assert_eq!(b.budget.used, frame.len());
+    }
+
+    #[test]
+    fn a_new_frame_restarts_the_clock_and_a_finished_big_one_is_not_kept() {
+        let big = ws::client_frame(true, ws::opcode::BINARY, &[1; 1024], M);
+        let next = ws::client_frame(true, ws::opcode::TEXT, b"hello", M);
+        let mut c = open(&[&big[..1028]]);
+        let mut b = Bufs::new(2048);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(c.partial_since(), Some(9));
+        b.now = 15;
+        let mut tail = big[1028..].to_vec();
+        tail.extend_from_slice(&next[..3]);
+        c.stream.reads.push_back(Ok(tail));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(c.partial_since(), Some(15), "the next frame began at 15");
+        // 3 bytes left of a 1 KiB buffer: copied to a small one.
+        assert_eq!((c.held(), b.budget.used), (3, 3));
+    }
+
+    #[test]
+    fn over_budget_closes_with_1013_after_the_upgrade_and_503_before() {
+        let frame = ws::client_frame(true, ws::opcode::BINARY, &[5; 900], M);
+        let mut b = Bufs::new(4096);
+        b.budget = Budget::new(1000);
+        let mut first = open(&[&frame[..600]]);
+        assert_eq!(first.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(b.budget.used, 600);
+        // A second connection may hold 400 more, not 500.
+        let mut second = open(&[&frame[..500]]);
+        assert_eq!(
+            second.websocket(&mut b.ctx()),
+            Status::Closed(CloseReason::Budget)
+        );
+        assert_eq!(second.stream.written, [0x88, 2, 0x03, 0xf5]);
+        assert_eq!((second.held(), b.budget.used), (0, 600));
+        // The first may not grow past the budget either: its next read
+        // closes it, and what it held is released.
+        first.stream.reads.push_back(Ok(frame[600..700].to_vec()));
+        b.budget.used += 350; // others hold 350 now
+        assert_eq!(
+            first.websocket(&mut b.ctx()),
+            Status::Closed(CloseReason::Budget)
+        );
+        assert_eq!((first.held(), b.budget.used), (0, 350));
+        // Before the upgrade: 503 with Retry-After.
+        b.budget = Budget::new(10);
+        let mut c = fake(&[&UPGRADE[..40]], usize::MAX, Phase::Handshake);
+        assert_eq!(
+            c.websocket(&mut b.ctx()),
+            Status::Closed(CloseReason::Budget)
+        );
+        assert_eq!(c.stream.written, ws::BUSY_RESPONSE);
+        assert_eq!(b.budget.used, 0);
+    }
+
+    #[test]
+    fn a_frame_that_completes_needs_no_budget() {
+        // The budget is spent by others: a held frame that this read
+        // completes is joined in the worker's buffer, echoed and freed.
+        let frame = ws::client_frame(true, ws::opcode::BINARY, &[5; 900], M);
+        let mut b = Bufs::new(4096);
+        b.budget = Budget::new(1000);
+        let mut c = open(&[&frame[..100]]);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        b.budget.used = 1000;
+        let mut rest = frame[100..].to_vec();
+        let next = ws::client_frame(true, ws::opcode::TEXT, b"hi", M);
+        rest.extend_from_slice(&next[..50.min(next.len() - 1)]);
+        c.stream.reads.push_back(Ok(rest));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(c.stream.written.len(), 904);
+        // What is left (part of the next frame) fits the old buffer.
+        assert_eq!(c.held(), 100);
+        assert_eq!(b.budget.used, 1000);
+        assert!(b.join.capacity() >= frame.len());
+    }
+
+    #[test]
+    fn ping_marks_until_the_next_read() {
+        let mut c = open(&[]);
+        let mut b = Bufs::new(64);
+        let mut t = Traffic::default();
+        assert!(!c.pinged());
+        c.ping(&mut b.out, &mut t).unwrap();
+        assert!(c.pinged());
+        assert_eq!(c.stream.written, [0x89, 0]);
+        assert_eq!((t.sent, c.since()), (2, 7));
+        let pong = ws::client_frame(true, ws::opcode::PONG, b"", M);
+        c.stream.reads.push_back(Ok(pong));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert!(!c.pinged());
+        assert_eq!(c.since(), 9);
+        // A ping the kernel does not take waits like any reply.
+        let mut c = fake(&[], 1, Phase::Open);
+        c.ping(&mut b.out, &mut t).unwrap();
+        assert!(c.has_unsent());
+        assert!(b.out.is_empty());
+    }
+
+    #[test]
+    fn kernel_timeouts_close_as_unreachable() {
+        for kind in [
+            ErrorKind::TimedOut,
+            ErrorKind::HostUnreachable,
+            ErrorKind::NetworkUnreachable,
+            ErrorKind::NetworkDown,
+        ] {
+            let mut c = open(&[]);
+            c.stream.reads.push_back(Err(kind.into()));
+            let mut b = Bufs::new(8);
+            assert_eq!(
+                c.websocket(&mut b.ctx()),
+                Status::Closed(CloseReason::Unreachable),
+                "{kind:?}"
+            );
+        }
     }
 }

@@ -175,6 +175,7 @@ pub struct Metrics {
     accepted: Family<WorkerLabel, Counter>,
     received: Family<WorkerLabel, Counter>,
     sent: Family<WorkerLabel, Counter>,
+    partial: Family<WorkerLabel, Gauge>,
     closed: Family<CloseLabel, Counter>,
     rejected: Family<RejectLabel, Counter>,
     /// `c10m_connections_capacity`: the connection cap in force, in
@@ -207,6 +208,8 @@ pub struct WorkerMetrics {
     pub received_bytes: Counter,
     /// Bytes written to connections.
     pub sent_bytes: Counter,
+    /// Bytes held for unfinished WebSocket frames and upgrade requests.
+    pub partial_bytes: Gauge,
     closed: [Counter; CloseReason::ALL.len()],
     rejected: [Counter; RejectReason::ALL.len()],
 }
@@ -232,6 +235,7 @@ impl Metrics {
             accepted: Family::default(),
             received: Family::default(),
             sent: Family::default(),
+            partial: Family::default(),
             closed: Family::default(),
             rejected: Family::default(),
             capacity: Gauge::default(),
@@ -258,7 +262,7 @@ impl Metrics {
         );
         registry.register(
             "c10m_connections_closed",
-            "Held connections closed, by reason (peer, reset, error, shutdown)",
+            "Held connections closed, by reason (peer, reset, timeouts, protocol errors, ...; see the server README)",
             m.closed.clone(),
         );
         registry.register(
@@ -298,6 +302,12 @@ impl Metrics {
             Unit::Bytes,
             m.sent.clone(),
         );
+        registry.register_with_unit(
+            "c10m_partial",
+            "Bytes held for unfinished WebSocket frames and upgrade requests, per worker (bounded by --partial-budget-bytes)",
+            Unit::Bytes,
+            m.partial.clone(),
+        );
         registry.register(
             "c10m_close_pending",
             "Connections still to close under the running drain or shed order",
@@ -335,6 +345,7 @@ impl Metrics {
             m.accepted.get_or_create_owned(&l);
             m.received.get_or_create_owned(&l);
             m.sent.get_or_create_owned(&l);
+            m.partial.get_or_create_owned(&l);
         }
         for reason in CloseReason::ALL {
             m.closed.get_or_create_owned(&CloseLabel { reason });
@@ -354,6 +365,7 @@ impl Metrics {
             accepted: self.accepted.get_or_create_owned(&l),
             received_bytes: self.received.get_or_create_owned(&l),
             sent_bytes: self.sent.get_or_create_owned(&l),
+            partial_bytes: self.partial.get_or_create_owned(&l),
             closed: CloseReason::ALL
                 .map(|reason| self.closed.get_or_create_owned(&CloseLabel { reason })),
             rejected: RejectReason::ALL
@@ -448,6 +460,12 @@ mod tests {
             "# UNIT c10m_received_bytes bytes",
             "c10m_received_bytes_total{worker=\"1\"} 10",
             "c10m_sent_bytes_total{worker=\"0\"} 0",
+            "# TYPE c10m_partial_bytes gauge",
+            "c10m_partial_bytes{worker=\"1\"} 0",
+            "c10m_connections_closed_total{reason=\"frame_timeout\"} 0",
+            "c10m_connections_closed_total{reason=\"budget\"} 0",
+            "c10m_connections_closed_total{reason=\"ping_timeout\"} 0",
+            "c10m_connections_closed_total{reason=\"unreachable\"} 0",
             "# EOF",
         ] {
             assert!(

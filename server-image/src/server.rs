@@ -113,12 +113,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             id,
             listener,
             cpu: limits::cpu_for_worker(id as usize, &cpus),
-            limits: worker::Limits {
-                protocol: config.protocol,
-                handshake_timeout_secs: config.handshake_timeout_secs,
-                idle_timeout_secs: config.idle_timeout_secs,
-                max_frame_bytes: config.max_frame_bytes,
-            },
+            limits: worker::Limits::from_config(&config),
         };
         let on_exit = move |id, r: &std::io::Result<()>| {
             let r = r.as_ref().map(|_| ()).map_err(|e| e.to_string());

@@ -1,9 +1,10 @@
 //! The worker event loop: each worker thread owns one listener (from
 //! [`crate::listen`]), one edge-triggered epoll loop (`mio::Poll`) and one
 //! connection slab. It accepts, drives connections ([`crate::conn`]), sweeps
-//! timeouts once a second and carries out drain and shed orders. Workers
-//! share nothing on the hot path but [`crate::control::Shared`], whose
-//! live-connection count enforces the cap.
+//! timeouts and sends WebSocket pings once a second, and carries out drain
+//! and shed orders. Workers share nothing on the hot path but
+//! [`crate::control::Shared`], whose live-connection count enforces the
+//! cap; each has its own budget for unfinished input ([`Budget`]).
 
 use std::fs::File;
 use std::io::{self, ErrorKind};
@@ -19,10 +20,11 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use rustix::io::Errno;
 use slab::Slab;
 
-use crate::config::Protocol;
-use crate::conn::{CloseReason, Conn, Ctx, Phase, Status, Traffic};
+use crate::config::{Config, Protocol};
+use crate::conn::{Budget, CloseReason, Conn, Ctx, Phase, Status, Traffic};
 use crate::control::{CloseOrder, Shared};
 use crate::limits;
+use crate::listen::Keepalive;
 use crate::metrics::{RejectReason, WorkerMetrics};
 
 /// Token of the worker's listener. Connection tokens are slab keys, which
@@ -66,6 +68,56 @@ pub struct Limits {
     pub idle_timeout_secs: u32,
     /// WebSocket: largest frame payload, in bytes.
     pub max_frame_bytes: usize,
+    /// WebSocket: seconds an unfinished frame may take to complete.
+    pub frame_timeout_secs: u32,
+    /// Bytes the worker may hold for unfinished frames and upgrade requests.
+    pub partial_budget_bytes: usize,
+    /// WebSocket: seconds without a read before a server ping; 0: never.
+    pub ws_ping_secs: u32,
+    /// WebSocket: seconds a server ping may go unanswered.
+    pub ws_pong_timeout_secs: u32,
+    /// TCP keepalive and user timeout of accepted connections.
+    pub keepalive: Keepalive,
+}
+
+impl Limits {
+    /// The limits `config` asks for. The budget is raised to one largest
+    /// frame with its header if set below that (else no such frame could
+    /// ever complete); the TCP user timeout defaults to the time keepalive
+    /// takes to drop a dead peer.
+    pub fn from_config(config: &Config) -> Self {
+        let dead_after = c10m_wire::keepalive::dead_after_secs(
+            config.keepalive_idle_secs,
+            config.keepalive_interval_secs,
+            config.keepalive_count,
+        );
+        let user_timeout =
+            config
+                .tcp_user_timeout_secs
+                .unwrap_or(if config.keepalive_idle_secs > 0 {
+                    u32::try_from(dead_after).unwrap_or(u32::MAX)
+                } else {
+                    0
+                });
+        Limits {
+            protocol: config.protocol,
+            handshake_timeout_secs: config.handshake_timeout_secs,
+            idle_timeout_secs: config.idle_timeout_secs,
+            max_frame_bytes: config.max_frame_bytes,
+            frame_timeout_secs: config.frame_timeout_secs,
+            partial_budget_bytes: config
+                .partial_budget_bytes
+                .max(config.max_frame_bytes + crate::ws::MAX_HEADER_BYTES),
+            ws_ping_secs: config.ws_ping_secs,
+            ws_pong_timeout_secs: config.ws_pong_timeout_secs,
+            keepalive: Keepalive {
+                idle_secs: config.keepalive_idle_secs,
+                interval_secs: config.keepalive_interval_secs,
+                count: config.keepalive_count,
+                user_timeout_secs: user_timeout,
+            },
+        }
+    }
 }
 
 /// How to start one worker.
@@ -92,6 +144,10 @@ pub fn spawn(
 ) -> io::Result<WorkerHandle> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+    // Accepted sockets inherit the listener's keepalive options.
+    spec.limits
+        .keepalive
+        .apply(socket2::SockRef::from(&spec.listener))?;
     let mut listener = TcpListener::from_std(spec.listener);
     poll.registry()
         .register(&mut listener, LISTENER, Interest::READABLE)?;
@@ -110,7 +166,10 @@ pub fn spawn(
         order_gen: 0,
         cursor: 0,
         out: Vec::new(),
+        join: Vec::new(),
+        budget: Budget::new(spec.limits.partial_budget_bytes),
         doomed: Vec::new(),
+        pings: Vec::new(),
         last_sweep: 0,
         ready: Vec::new(),
     };
@@ -160,8 +219,15 @@ struct Worker {
     cursor: usize,
     /// Reply buffer shared by all connections (left empty between uses).
     out: Vec<u8>,
+    /// Where held input and a new read are joined when the budget does not
+    /// let the held buffer grow.
+    join: Vec<u8>,
+    /// Bytes held for unfinished frames and upgrade requests.
+    budget: Budget,
     /// Keys to close, collected by a sweep or an order batch.
     doomed: Vec<(usize, CloseReason)>,
+    /// Keys to ping, collected by a sweep.
+    pings: Vec<usize>,
     last_sweep: u32,
     /// Connections that used up their read budget with data left: driven
     /// again on the next turn of the loop without waiting for an event.
@@ -344,6 +410,8 @@ impl Worker {
         let mut ctx = Ctx {
             scratch,
             out: &mut self.out,
+            join: &mut self.join,
+            budget: &mut self.budget,
             max_frame: self.limits.max_frame_bytes,
             now,
             traffic: Traffic::default(),
@@ -353,6 +421,7 @@ impl Worker {
             Protocol::Websocket => conn.websocket(&mut ctx),
         };
         let traffic = ctx.traffic;
+        self.metrics.partial_bytes.set(self.budget.used as i64);
         if traffic.received > 0 {
             self.metrics.received_bytes.inc_by(traffic.received);
         }
@@ -392,7 +461,12 @@ impl Worker {
 
     fn close(&mut self, conns: &mut Conns, key: usize, reason: CloseReason) {
         // Closing the descriptor also removes it from the epoll set.
-        drop(conns.remove(key));
+        let conn = conns.remove(key);
+        if conn.held() > 0 {
+            self.budget.release(conn.held());
+            self.metrics.partial_bytes.set(self.budget.used as i64);
+        }
+        drop(conn);
         self.shared.release();
         self.metrics.connections.dec();
         self.metrics.closed(reason).inc();
@@ -404,6 +478,7 @@ impl Worker {
             let mut t = Traffic::default();
             conn.goodbye(
                 self.limits.protocol == Protocol::Websocket,
+                reason,
                 &mut self.out,
                 &mut t,
             );
@@ -449,15 +524,25 @@ impl Worker {
         self.doomed = doomed;
     }
 
-    /// Once a second: closes WebSocket connections whose upgrade is overdue
-    /// and, with an idle timeout, connections that read nothing for that
-    /// long. Timestamps are whole seconds, so "more than `t` ticks ago"
-    /// means at least `t` and under `t + 2` seconds. Walks the slab (tens of microseconds per 10k connections) so
-    /// that no per-connection timer exists.
+    /// Once a second: closes WebSocket connections whose upgrade is
+    /// overdue, whose unfinished frame is older than the frame timeout, or
+    /// whose server ping went unanswered; with an idle timeout, connections
+    /// that read nothing for that long; and pings WebSockets silent for
+    /// `--ws-ping-secs`. Timestamps are whole seconds, so "more than `t`
+    /// ticks ago" means at least `t` and under `t + 2` seconds. Walks the
+    /// slab (tens of microseconds per 10k connections) so that no
+    /// per-connection timer exists.
     fn sweep(&mut self, conns: &mut Conns, now: u32) {
         let hs = self.limits.handshake_timeout_secs;
         let idle = self.limits.idle_timeout_secs;
+        let frame = self.limits.frame_timeout_secs;
+        let ping = match self.limits.protocol {
+            Protocol::Websocket => self.limits.ws_ping_secs,
+            Protocol::Echo => 0,
+        };
+        let pong = self.limits.ws_pong_timeout_secs;
         self.doomed.clear();
+        self.pings.clear();
         for (key, c) in conns.iter() {
             let age = now.wrapping_sub(c.since());
             match c.phase() {
@@ -467,6 +552,16 @@ impl Worker {
                 Phase::Open if idle > 0 && age > idle => {
                     self.doomed.push((key, CloseReason::IdleTimeout));
                 }
+                Phase::Open
+                    if c.partial_since()
+                        .is_some_and(|t| now.wrapping_sub(t) > frame) =>
+                {
+                    self.doomed.push((key, CloseReason::FrameTimeout));
+                }
+                Phase::Open if ping > 0 && c.pinged() && age > ping.saturating_add(pong) => {
+                    self.doomed.push((key, CloseReason::PingTimeout));
+                }
+                Phase::Open if ping > 0 && !c.pinged() && age >= ping => self.pings.push(key),
                 _ => {}
             }
         }
@@ -477,6 +572,40 @@ impl Worker {
         self.doomed = doomed;
         if self.doomed.capacity() > 4 * ORDER_BATCH as usize {
             self.doomed = Vec::new();
+        }
+        let pings = std::mem::take(&mut self.pings);
+        for &key in &pings {
+            self.ping(conns, key);
+        }
+        self.pings = pings;
+        if self.pings.capacity() > 4 * ORDER_BATCH as usize {
+            self.pings = Vec::new();
+        }
+    }
+
+    /// Sends a server ping; waits for writability if it did not all go out.
+    fn ping(&mut self, conns: &mut Conns, key: usize) {
+        let Some(conn) = conns.get_mut(key) else {
+            return;
+        };
+        let was_blocked = conn.has_unsent();
+        let mut t = Traffic::default();
+        let sent = conn.ping(&mut self.out, &mut t);
+        self.metrics.sent_bytes.inc_by(t.sent);
+        if let Err(reason) = sent {
+            return self.close(conns, key, reason);
+        }
+        if !was_blocked && conn.has_unsent() {
+            let fd = conn.stream.as_raw_fd();
+            let interest = Interest::READABLE | Interest::WRITABLE;
+            if let Err(e) =
+                self.poll
+                    .registry()
+                    .reregister(&mut SourceFd(&fd), Token(key), interest)
+            {
+                tracing::debug!(worker = self.id, error = %e, "epoll re-registration failed");
+                self.close(conns, key, CloseReason::Error);
+            }
         }
     }
 

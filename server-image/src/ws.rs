@@ -23,6 +23,10 @@ pub const MAX_HANDSHAKE_BYTES: usize = 8 * 1024;
 /// Headers parsed in an upgrade request; more is answered 431.
 pub const MAX_HANDSHAKE_HEADERS: usize = 32;
 
+/// Longest frame header, in bytes: 2, 8 for a 64-bit length, 4 for the
+/// mask [RFC 6455 §5.2].
+pub const MAX_HEADER_BYTES: usize = 14;
+
 /// Largest payload of a control frame (ping, pong, close), in bytes
 /// [RFC 6455 §5.5].
 pub const MAX_CONTROL_PAYLOAD: usize = 125;
@@ -43,8 +47,18 @@ pub mod code {
     pub const PROTOCOL_ERROR: u16 = 1002;
     /// Invalid frame payload data (text that is not UTF-8).
     pub const INVALID_PAYLOAD: u16 = 1007;
+    /// Policy violation: a frame did not complete within the frame
+    /// timeout.
+    pub const POLICY_VIOLATION: u16 = 1008;
     /// Message too big (a frame above `--max-frame-bytes`).
     pub const TOO_BIG: u16 = 1009;
+    /// Internal error: here, a server ping went unanswered (the code
+    /// Python's `websockets` sends for its keepalive timeout).
+    pub const INTERNAL_ERROR: u16 = 1011;
+    /// Try again later [IANA WebSocket close code registry, RFC 6455
+    /// §11.7]: the worker's budget for unfinished frames is spent, a
+    /// temporary condition that says nothing against the client's frame.
+    pub const TRY_AGAIN_LATER: u16 = 1013;
 }
 
 /// Frame opcodes [RFC 6455 §5.2].

@@ -329,3 +329,65 @@ fn handshake_honours_split_list_fields_and_header_cardinality() {
             && sum(m, "c10m_connections") == 0.0
     });
 }
+
+#[test]
+fn server_pings_close_stuck_clients_and_spare_answering_ones() {
+    let server = Server::start(
+        1,
+        &[
+            "--protocol",
+            "websocket",
+            "--ws-ping-secs",
+            "1",
+            "--ws-pong-timeout-secs",
+            "1",
+        ],
+    );
+    let mut stuck = ws_connect(&server);
+    let mut answering = ws_connect(&server);
+    let t0 = std::time::Instant::now();
+    let stop = t0 + Duration::from_secs(5);
+    let responder = std::thread::spawn(move || {
+        answering
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let pong = c10m_server::ws::client_frame(true, 0xA, b"", [1, 2, 3, 4]);
+        let mut pings = 0;
+        let mut b = [0u8; 2];
+        while std::time::Instant::now() < stop {
+            match answering.read_exact(&mut b) {
+                Ok(()) => {
+                    assert_eq!(b, [0x89, 0], "only pings come unasked");
+                    pings += 1;
+                    answering.write_all(&pong).unwrap();
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        (answering, pings)
+    });
+    // Silent for 1 s: pinged; no answer for 1 more: closed with 1011
+    // (each checked once a second).
+    let mut got = Vec::new();
+    stuck.read_to_end(&mut got).unwrap();
+    let took = t0.elapsed();
+    assert_eq!(got, [0x89, 0, 0x88, 2, 0x03, 0xf3]);
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    let (mut answering, pings) = responder.join().unwrap();
+    assert!(pings >= 2, "{pings} pings in 5 s");
+    ws_echo(&mut answering, b"still here");
+    let m = server.metrics();
+    assert_eq!(
+        value(&m, "c10m_connections_closed_total{reason=\"ping_timeout\"}"),
+        1.0
+    );
+    assert_eq!(sum(&m, "c10m_connections"), 1.0);
+}

@@ -41,6 +41,24 @@ pub mod env {
     pub const ADMIN_TOKEN_FILE: &str = "C10M_ADMIN_TOKEN_FILE";
     /// The admin bearer token itself.
     pub const ADMIN_TOKEN: &str = "C10M_ADMIN_TOKEN";
+    /// Seconds of silence before the first TCP keepalive probe (0: no
+    /// keepalive); see [`super::keepalive`].
+    pub const KEEPALIVE_IDLE_SECS: &str = "C10M_KEEPALIVE_IDLE_SECS";
+    /// Seconds between TCP keepalive probes.
+    pub const KEEPALIVE_INTERVAL_SECS: &str = "C10M_KEEPALIVE_INTERVAL_SECS";
+    /// Unanswered TCP keepalive probes before a connection is dropped.
+    pub const KEEPALIVE_COUNT: &str = "C10M_KEEPALIVE_COUNT";
+    /// Seconds sent data may stay unacknowledged (`TCP_USER_TIMEOUT`; 0:
+    /// the kernel's limit; unset: the keepalive's idle + interval × count).
+    pub const TCP_USER_TIMEOUT_SECS: &str = "C10M_TCP_USER_TIMEOUT_SECS";
+    /// Seconds a WebSocket frame may take to arrive once it has begun.
+    pub const FRAME_TIMEOUT_SECS: &str = "C10M_FRAME_TIMEOUT_SECS";
+    /// Bytes one worker may hold for unfinished frames and upgrade requests.
+    pub const PARTIAL_BUDGET_BYTES: &str = "C10M_PARTIAL_BUDGET_BYTES";
+    /// Seconds of silence before the server pings a WebSocket (0: never).
+    pub const WS_PING_SECS: &str = "C10M_WS_PING_SECS";
+    /// Seconds a server ping may go unanswered before the close.
+    pub const WS_PONG_TIMEOUT_SECS: &str = "C10M_WS_PONG_TIMEOUT_SECS";
 }
 
 /// Values of [`env::PROTOCOL`].
@@ -112,6 +130,57 @@ pub mod limits {
     pub const DEFAULT_NR_OPEN: u64 = 1_048_576;
 }
 
+/// TCP keepalive of the bundled server's connections: the server's defaults
+/// and what the operator renders (`C10M_KEEPALIVE_*`).
+///
+/// A peer that vanishes without a FIN or RST (its network dropped it, its
+/// node died) leaves an idle connection the server would otherwise count
+/// as live forever, and the autoscaler would size the fleet for it. With
+/// these times the kernel drops it within `dead_after_secs` = 60 + 10 ×
+/// 6 = 120 s: inside the autoscaler's default 300 s scale-down
+/// stabilization window, so dead peers never hold a fleet up for more than
+/// one window. The Linux defaults (7,200 s, then 9 probes 75 s apart) would
+/// take 2 h 11 min. A 60 s idle time also refreshes idle-flow state of the
+/// common cloud load balancers (AWS NLB 350 s, Azure LB 240 s by default)
+/// and NATs. The cost is one probe and its ACK per idle connection per
+/// minute: ~17k small packets/s each way for a shard of 1M idle
+/// connections. Chosen from these figures, not measured.
+pub mod keepalive {
+    /// Seconds of silence before the first probe (`TCP_KEEPIDLE`).
+    pub const IDLE_SECS: u32 = 60;
+    /// Seconds between probes (`TCP_KEEPINTVL`).
+    pub const INTERVAL_SECS: u32 = 10;
+    /// Unanswered probes before the connection is dropped (`TCP_KEEPCNT`).
+    pub const COUNT: u32 = 6;
+
+    /// Seconds after which a silent dead peer is dropped: idle + interval
+    /// × count.
+    pub const fn dead_after_secs(idle: u32, interval: u32, count: u32) -> u64 {
+        idle as u64 + interval as u64 * count as u64
+    }
+}
+
+/// What the bundled server holds for clients that stop in the middle of a
+/// WebSocket frame or upgrade request.
+pub mod partial {
+    /// Default bytes one worker may hold for unfinished frames and upgrade
+    /// requests (`C10M_PARTIAL_BUDGET_BYTES`), summed over its connections:
+    /// 8 MiB, 128 frames of the default 64 KiB limit in flight at once per
+    /// worker. A frame split across reads is normally in flight for about
+    /// one round trip, so that sustains ~80 MiB/s of largest frames at a
+    /// 100 ms round trip per worker, more than one echo worker moves;
+    /// clients that stop mid-frame (issue 10: 2,000 of them pinned 140 MiB)
+    /// get no more than this. The operator adds it, per worker, to a
+    /// shard's memory. Chosen from that arithmetic, not measured.
+    pub const BUDGET_BYTES_PER_WORKER: u64 = 8 << 20;
+
+    /// Default seconds a WebSocket frame may take to arrive once its first
+    /// byte has (`C10M_FRAME_TIMEOUT_SECS`): a 64 KiB frame at 64 kbit/s
+    /// takes 8 s. Budget held by clients that stopped is free again after
+    /// this. Chosen, not measured.
+    pub const FRAME_TIMEOUT_SECS: u32 = 10;
+}
+
 /// `c10m-sysctl`, the init tool that applies a plan's sysctls.
 pub mod sysctl_tool {
     /// The binary's name in the server image.
@@ -160,10 +229,25 @@ mod tests {
             env::DRAIN_TIMEOUT_SECS,
             env::ADMIN_TOKEN_FILE,
             env::ADMIN_TOKEN,
+            env::KEEPALIVE_IDLE_SECS,
+            env::KEEPALIVE_INTERVAL_SECS,
+            env::KEEPALIVE_COUNT,
+            env::TCP_USER_TIMEOUT_SECS,
+            env::FRAME_TIMEOUT_SECS,
+            env::PARTIAL_BUDGET_BYTES,
+            env::WS_PING_SECS,
+            env::WS_PONG_TIMEOUT_SECS,
         ];
         let set: std::collections::BTreeSet<_> = names.iter().collect();
         assert_eq!(set.len(), names.len());
         assert!(names.iter().all(|n| n.starts_with("C10M_")));
+    }
+
+    #[test]
+    fn keepalive_drops_dead_peers_within_two_minutes() {
+        use keepalive::*;
+        assert_eq!(dead_after_secs(IDLE_SECS, INTERVAL_SECS, COUNT), 120);
+        assert_eq!(dead_after_secs(0, 0, 0), 0);
     }
 
     #[test]
