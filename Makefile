@@ -52,7 +52,9 @@ lint: deps
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	python3 tools/module_graph.py operator/src --order $(OPERATOR_LAYERS)
-	bin=$$(bash tests/cluster/build.sh | tail -n1); "$$bin/helm" lint --strict charts/c10m-operator
+	bin=$$(bash tests/cluster/build.sh | tail -n1); \
+	  "$$bin/helm" lint --strict charts/c10m-operator && \
+	  "$$bin/helm" lint --strict charts/c10m-operator --set watchNamespace=fleets --set crd.manage=false
 
 crd: build
 	$(OPERATOR) crd > crds/connectionfleet.yaml
