@@ -3,7 +3,11 @@
 //! [`super::decide`]. A failed or doubtful read is part of the observation
 //! (a [`MetricsError`]), not an error: only an API failure ends the sync.
 
+use std::collections::HashSet;
+
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::ListParams;
 
@@ -64,8 +68,9 @@ pub async fn observe(
     };
     let ns = fleet.metadata.namespace.clone().unwrap_or_default();
     let name = fleet.metadata.name.clone().unwrap_or_default();
+    let uid = fleet.metadata.uid.clone().unwrap_or_default();
     let mut seen = Observation {
-        pods: shard_pods(pods, &name).await?,
+        pods: shard_pods(pods, &ns, &name, &uid).await?,
         metrics: None,
     };
     let expected = Expected {
@@ -80,12 +85,63 @@ pub async fn observe(
     Ok(seen)
 }
 
-/// The fleet's pods.
-pub async fn shard_pods(api: &Api<Pod>, fleet: &str) -> Result<Vec<ShardPod>, kube::Error> {
-    let pods = api
-        .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={fleet}")))
+/// The fleet's pods: those carrying its label whose controller is one of
+/// the ReplicaSets of its own Deployment ([`own_replica_sets`]). A pod that
+/// only carries the label (anyone's, in the namespace) is not a shard: it
+/// never gets the fleet's admin token in a shed order, never counts as
+/// load and is never a victim.
+pub async fn shard_pods(
+    api: &Api<Pod>,
+    ns: &str,
+    fleet: &str,
+    fleet_uid: &str,
+) -> Result<Vec<ShardPod>, kube::Error> {
+    let by_label = ListParams::default().labels(&format!("{FLEET_LABEL}={fleet}"));
+    let pods = api.list(&by_label).await?;
+    if pods.items.is_empty() {
+        return Ok(Vec::new());
+    }
+    let client = api.clone().into_client();
+    let deployment = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get_opt(fleet)
         .await?;
-    Ok(pods.items.into_iter().map(ShardPod::from).collect())
+    let sets = Api::<ReplicaSet>::namespaced(client, ns)
+        .list(&by_label)
+        .await?;
+    let own = own_replica_sets(deployment.as_ref(), fleet_uid, &sets.items);
+    Ok(pods
+        .items
+        .into_iter()
+        .filter(|p| controller_uid(&p.metadata).is_some_and(|u| own.contains(u)))
+        .map(ShardPod::from)
+        .collect())
+}
+
+/// The uid of the object's controller (its owner reference with
+/// `controller: true`).
+fn controller_uid(meta: &ObjectMeta) -> Option<&str> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true))
+        .map(|r| r.uid.as_str())
+}
+
+/// Uids of the ReplicaSets among `sets` that `deployment` controls, when the
+/// fleet `fleet_uid` controls that Deployment (else none).
+pub fn own_replica_sets<'a>(
+    deployment: Option<&Deployment>,
+    fleet_uid: &str,
+    sets: &'a [ReplicaSet],
+) -> HashSet<&'a str> {
+    let Some(dep) = deployment.filter(|d| controller_uid(&d.metadata) == Some(fleet_uid)) else {
+        return HashSet::new();
+    };
+    let dep_uid = dep.metadata.uid.as_deref().unwrap_or_default();
+    sets.iter()
+        .filter(|rs| !dep_uid.is_empty() && controller_uid(&rs.metadata) == Some(dep_uid))
+        .filter_map(|rs| rs.metadata.uid.as_deref())
+        .collect()
 }
 
 impl From<Pod> for ShardPod {
@@ -131,6 +187,39 @@ mod tests {
             },
         }))
         .unwrap()
+    }
+
+    fn owned(name: &str, uid: &str, controller: Option<&str>) -> serde_json::Value {
+        let mut meta = serde_json::json!({"name": name, "uid": uid});
+        if let Some(c) = controller {
+            meta["ownerReferences"] = serde_json::json!([{
+                "apiVersion": "v1", "kind": "X", "name": "owner", "uid": c, "controller": true
+            }]);
+        }
+        serde_json::json!({ "metadata": meta })
+    }
+
+    #[test]
+    fn only_the_replica_sets_of_the_fleets_own_deployment_count() {
+        let dep: Deployment =
+            serde_json::from_value(owned("f", "dep-uid", Some("fleet-uid"))).unwrap();
+        let sets: Vec<ReplicaSet> = [
+            owned("f-1", "rs-1", Some("dep-uid")),
+            owned("f-2", "rs-2", Some("dep-uid")),
+            // Carries the label, controlled by something else.
+            owned("f-x", "rs-x", Some("other-uid")),
+            owned("f-y", "rs-y", None),
+        ]
+        .into_iter()
+        .map(|v| serde_json::from_value(v).unwrap())
+        .collect();
+        assert_eq!(
+            own_replica_sets(Some(&dep), "fleet-uid", &sets),
+            HashSet::from(["rs-1", "rs-2"])
+        );
+        // A Deployment of that name the fleet does not control owns nothing.
+        assert!(own_replica_sets(Some(&dep), "another-fleet", &sets).is_empty());
+        assert!(own_replica_sets(None, "fleet-uid", &sets).is_empty());
     }
 
     #[test]
