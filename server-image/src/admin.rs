@@ -2,18 +2,31 @@
 //! authenticated `POST /drain?rate=R` and `POST /shed?count=N&rate=R`.
 //!
 //! Paths and query keys are the operator's contract
-//! ([`c10m_wire::admin`]). One thread, one request per connection
-//! (`Connection: close`), requests parsed with `httparse`, query strings
-//! with `form_urlencoded`. Scrapes and
-//! probes are a few per second, so this stays off the workers and out of
-//! their way.
+//! ([`c10m_wire::admin`]). One request per connection (`Connection:
+//! close`), requests parsed with `httparse`, query strings with
+//! `form_urlencoded`.
+//!
+//! The port is the kubelet's liveness and readiness probe, so no client may
+//! hold it up: one thread runs a small non-blocking event loop (`mio`) over
+//! every admin connection at once, so a slow or idle client costs a slot,
+//! never the others' time. Each connection has a deadline on its whole
+//! request ([`REQUEST_DEADLINE`], not per read), a cap on its size
+//! ([`MAX_REQUEST_HEAD`], [`MAX_BODY`]), and at most
+//! [`MAX_CONNECTIONS`] are held at once; over the bound the one that has
+//! waited longest goes (if it has waited [`EVICT_AFTER`]), else the
+//! newcomer is closed at once. Both are counted in
+//! `c10m_admin_connections_dropped_total`. Scrapes and probes are a few per
+//! second, so this stays off the workers and out of their way.
 
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token};
+use slab::Slab;
 use socket2::{Domain, Socket, Type};
 
 use c10m_wire::admin::{COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, METRICS_PATH, RATE_KEY, SHED_PATH};
@@ -21,17 +34,40 @@ use subtle::ConstantTimeEq;
 
 use crate::conn::CloseReason;
 use crate::control::{CloseOrder, Shared};
-use crate::metrics::{Format, Metrics};
+use crate::metrics::{AdminDrop, Format, Metrics};
 
 /// Largest request head accepted, in bytes; larger gets 431.
 pub const MAX_REQUEST_HEAD: usize = 8 * 1024;
 
+/// Largest request body accepted, in bytes (`Content-Length`); larger gets
+/// 413. The orders carry their parameters in the query, so a body is only
+/// read and ignored; bodies without a length (`Transfer-Encoding`) get 411.
+pub const MAX_BODY: usize = 1024;
+
 /// Headers parsed per request; more gets 431.
 pub const MAX_HEADERS: usize = 32;
 
-/// Read and write timeout per admin connection. A stalled client can hold
-/// the admin thread this long, and no longer.
-pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time from accept to the last byte of the request, head and body, in
+/// total: a client that has not sent its whole request by then is closed
+/// unanswered (`reason="deadline"`). One round trip suffices for a probe or
+/// a scrape; 2 s is the kubelet's view of a slow probe answer (its default
+/// `timeoutSeconds` is 1). Chosen, not measured.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Time the client has to take the answer once it is ready.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Admin connections held at once ([`c10m_wire::limits::ADMIN_MAX_CONNECTIONS`],
+/// counted in the descriptor reserve).
+pub const MAX_CONNECTIONS: usize = c10m_wire::limits::ADMIN_MAX_CONNECTIONS as usize;
+
+/// At the bound, a newcomer replaces the connection that has waited longest
+/// if that one has waited at least this long; else the newcomer is closed.
+/// A request that is being answered takes one round trip, far less, so a
+/// probe is never the one replaced, and clients that reconnect the moment
+/// they are closed cannot churn the slots faster than one bound's worth
+/// per this period. Chosen, not measured.
+pub const EVICT_AFTER: Duration = Duration::from_millis(250);
 
 /// A response ready to write.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +101,8 @@ fn reason_phrase(status: u16) -> &'static str {
         401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        411 => "Length Required",
+        413 => "Content Too Large",
         431 => "Request Header Fields Too Large",
         503 => "Service Unavailable",
         _ => "Unknown",
@@ -91,6 +129,8 @@ pub struct Request {
     pub accept: Option<String>,
     /// The `Authorization` header, if sent.
     pub authorization: Option<String>,
+    /// Bytes of the request, head and body.
+    pub len: usize,
 }
 
 /// An order the admin port accepted.
@@ -250,37 +290,107 @@ pub fn render(r: &Response, head_only: bool) -> Vec<u8> {
 /// The outcome of parsing what has been read so far.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Parsed {
-    /// A complete request head.
+    /// A complete request: head and body.
     Request(Request),
     /// Need more bytes.
     Partial,
-    /// Not HTTP/1.x, or too many headers: answer with this status.
+    /// Not HTTP/1.x, too many headers, too large, or a body without a
+    /// length: answer with this status.
     Invalid(u16),
 }
 
-/// Parses a request head with `httparse`.
+/// Parses a request (head with `httparse`, then a body of
+/// `Content-Length` bytes, at most [`MAX_BODY`]) from the start of `buf`.
 pub fn parse(buf: &[u8]) -> Parsed {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
-    match req.parse(buf) {
-        Ok(httparse::Status::Complete(_)) => Parsed::Request(Request {
-            method: req.method.unwrap_or_default().to_string(),
-            target: req.path.unwrap_or_default().to_string(),
-            accept: req
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("accept"))
-                .map(|h| String::from_utf8_lossy(h.value).into_owned()),
-            authorization: req
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("authorization"))
-                .map(|h| String::from_utf8_lossy(h.value).into_owned()),
-        }),
-        Ok(httparse::Status::Partial) if buf.len() >= MAX_REQUEST_HEAD => Parsed::Invalid(431),
-        Ok(httparse::Status::Partial) => Parsed::Partial,
-        Err(httparse::Error::TooManyHeaders) => Parsed::Invalid(431),
-        Err(_) => Parsed::Invalid(400),
+    let head = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) if n > MAX_REQUEST_HEAD => return Parsed::Invalid(431),
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_REQUEST_HEAD => {
+            return Parsed::Invalid(431);
+        }
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(httparse::Error::TooManyHeaders) => return Parsed::Invalid(431),
+        Err(_) => return Parsed::Invalid(400),
+    };
+    let header = |name: &str| {
+        req.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| String::from_utf8_lossy(h.value).into_owned())
+    };
+    if header("transfer-encoding").is_some() {
+        return Parsed::Invalid(411);
+    }
+    // Every Content-Length line must agree [RFC 9110 §8.6]; a list of
+    // equal values counts as one.
+    let mut body: Option<usize> = None;
+    for h in req
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("content-length"))
+    {
+        for v in h.value.split(|&b| b == b',') {
+            let v = v.trim_ascii();
+            if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+                return Parsed::Invalid(400);
+            }
+            // Saturates: any length this large is over the cap anyway.
+            let n = std::str::from_utf8(v)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(usize::MAX);
+            if body.is_some_and(|b| b != n) {
+                return Parsed::Invalid(400);
+            }
+            body = Some(n);
+        }
+    }
+    let body = body.unwrap_or(0);
+    if body > MAX_BODY {
+        return Parsed::Invalid(413);
+    }
+    let len = head + body;
+    if buf.len() < len {
+        return Parsed::Partial;
+    }
+    Parsed::Request(Request {
+        method: req.method.unwrap_or_default().to_string(),
+        target: req.path.unwrap_or_default().to_string(),
+        accept: header("accept"),
+        authorization: header("authorization"),
+        len,
+    })
+}
+
+/// Collects one request over any number of reads, never holding more than
+/// a request may be ([`MAX_REQUEST_HEAD`] + [`MAX_BODY`]).
+#[derive(Debug, Default)]
+pub struct RequestReader {
+    buf: Vec<u8>,
+}
+
+impl RequestReader {
+    /// Most bytes a request may take.
+    pub const CAP: usize = MAX_REQUEST_HEAD + MAX_BODY;
+
+    /// Bytes that may still be read into it.
+    pub fn room(&self) -> usize {
+        Self::CAP - self.buf.len()
+    }
+
+    /// Appends what one read returned (up to [`RequestReader::room`]; the
+    /// rest is ignored) and parses what has come so far.
+    pub fn feed(&mut self, bytes: &[u8]) -> Parsed {
+        let n = bytes.len().min(self.room());
+        self.buf.extend_from_slice(&bytes[..n]);
+        match parse(&self.buf) {
+            // Full yet incomplete cannot happen (the head is capped below
+            // the buffer, the body by MAX_BODY), but never wait on it.
+            Parsed::Partial if self.room() == 0 => Parsed::Invalid(431),
+            p => p,
+        }
     }
 }
 
@@ -319,24 +429,275 @@ pub struct AdminState {
 /// Serves the admin endpoints on `listener` from a new thread, for the life
 /// of the process.
 pub fn spawn(listener: TcpListener, state: AdminState) -> io::Result<JoinHandle<()>> {
+    listener.set_nonblocking(true)?;
+    let mut listener = mio::net::TcpListener::from_std(listener);
+    let poll = Poll::new()?;
+    poll.registry()
+        .register(&mut listener, LISTENER, Interest::READABLE)?;
+    let admin = Admin {
+        poll,
+        listener,
+        conns: Slab::with_capacity(MAX_CONNECTIONS),
+        state,
+        accept_retry: None,
+        scratch: vec![0u8; 4096],
+    };
     std::thread::Builder::new()
         .name("c10m-admin".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => {
-                        if let Err(e) = serve(s, &state) {
-                            tracing::debug!(error = %e, "admin connection failed");
-                        }
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "admin accept failed");
-                        // EMFILE and friends: back off instead of spinning.
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
+        .spawn(move || admin.run())
+}
+
+const LISTENER: Token = Token(usize::MAX);
+
+/// Retry period of `accept` after an error such as `EMFILE`.
+const ACCEPT_RETRY: Duration = Duration::from_millis(10);
+
+/// One admin connection: reading its request, or writing its answer.
+struct AdminConn {
+    stream: TcpStream,
+    /// When it was accepted.
+    since: Instant,
+    /// When it is closed unanswered if not done.
+    deadline: Instant,
+    reader: RequestReader,
+    /// The answer, once there is one, and how much of it went out.
+    out: Vec<u8>,
+    sent: usize,
+}
+
+/// What to do with a connection after driving it.
+enum Next {
+    Keep,
+    Close,
+}
+
+struct Admin {
+    poll: Poll,
+    listener: mio::net::TcpListener,
+    conns: Slab<AdminConn>,
+    state: AdminState,
+    accept_retry: Option<Instant>,
+    scratch: Vec<u8>,
+}
+
+impl Admin {
+    fn run(mut self) {
+        let mut events = Events::with_capacity(256);
+        loop {
+            let now = Instant::now();
+            let next = self
+                .conns
+                .iter()
+                .map(|(_, c)| c.deadline)
+                .chain(self.accept_retry)
+                .min();
+            let timeout = next.map(|t| t.saturating_duration_since(now));
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() == ErrorKind::Interrupted {
+                    continue;
+                }
+                tracing::error!(error = %e, "admin event loop failed; retrying");
+                std::thread::sleep(ACCEPT_RETRY);
+                continue;
+            }
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept_all(),
+                    Token(key) => self.drive(key),
                 }
             }
-        })
+            let now = Instant::now();
+            if self.accept_retry.is_some_and(|t| t <= now) {
+                self.accept_retry = None;
+                self.accept_all();
+            }
+            self.expire(now);
+        }
+    }
+
+    /// Accepts until the queue is empty (edge-triggered), making room under
+    /// the bound as it goes.
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => self.admit(stream),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::ConnectionAborted => {}
+                Err(e) => {
+                    // EMFILE and friends: try again shortly instead of
+                    // spinning (the listener stays readable, but an
+                    // edge-triggered loop would not hear of it again).
+                    tracing::debug!(error = %e, "admin accept failed");
+                    self.accept_retry = Some(Instant::now() + ACCEPT_RETRY);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn admit(&mut self, mut stream: TcpStream) {
+        let now = Instant::now();
+        if self.conns.len() >= MAX_CONNECTIONS {
+            let oldest = self
+                .conns
+                .iter()
+                .min_by_key(|(_, c)| c.since)
+                .map(|(k, c)| (k, c.since));
+            match oldest {
+                Some((key, since)) if now.duration_since(since) >= EVICT_AFTER => {
+                    self.drop_conn(key, AdminDrop::Limit);
+                }
+                _ => {
+                    // Closing sends FIN: the client reads EOF at once.
+                    drop(stream);
+                    self.state.metrics.admin_dropped(AdminDrop::Limit).inc();
+                    return;
+                }
+            }
+        }
+        let entry = self.conns.vacant_entry();
+        let key = entry.key();
+        if let Err(e) = self
+            .poll
+            .registry()
+            .register(&mut stream, Token(key), Interest::READABLE)
+        {
+            tracing::debug!(error = %e, "admin registration failed");
+            return;
+        }
+        entry.insert(AdminConn {
+            stream,
+            since: now,
+            deadline: now + REQUEST_DEADLINE,
+            reader: RequestReader::default(),
+            out: Vec::new(),
+            sent: 0,
+        });
+        // The request is often there already: no need to wait for an event.
+        self.drive(key);
+    }
+
+    fn drive(&mut self, key: usize) {
+        let next = match self.conns.get_mut(key) {
+            None => return,
+            Some(c) if c.out.is_empty() => {
+                let next = read_request(c, &mut self.scratch, &self.state);
+                if !c.out.is_empty() {
+                    c.deadline = Instant::now() + WRITE_DEADLINE;
+                    match write_answer(c) {
+                        Next::Keep => {
+                            let fd = &mut c.stream;
+                            if self
+                                .poll
+                                .registry()
+                                .reregister(fd, Token(key), Interest::WRITABLE)
+                                .is_err()
+                            {
+                                Next::Close
+                            } else {
+                                Next::Keep
+                            }
+                        }
+                        other => other,
+                    }
+                } else {
+                    next
+                }
+            }
+            Some(c) => write_answer(c),
+        };
+        match next {
+            Next::Keep => {}
+            Next::Close => {
+                self.conns.remove(key);
+            }
+        }
+    }
+
+    fn drop_conn(&mut self, key: usize, reason: AdminDrop) {
+        if self.conns.try_remove(key).is_some() {
+            self.state.metrics.admin_dropped(reason).inc();
+        }
+    }
+
+    /// Closes every connection past its deadline.
+    fn expire(&mut self, now: Instant) {
+        let late: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.deadline <= now)
+            .map(|(k, _)| k)
+            .collect();
+        for key in late {
+            self.drop_conn(key, AdminDrop::Deadline);
+        }
+    }
+}
+
+/// Reads what the socket has; once the request is complete (or invalid)
+/// puts the answer in `c.out`.
+fn read_request(c: &mut AdminConn, scratch: &mut [u8], state: &AdminState) -> Next {
+    loop {
+        let room = c.reader.room().min(scratch.len());
+        let n = match c.stream.read(&mut scratch[..room]) {
+            Ok(0) => return Next::Close, // closed before a full request
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Next::Keep,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return Next::Close,
+        };
+        match c.reader.feed(&scratch[..n]) {
+            Parsed::Partial => {}
+            Parsed::Invalid(status) => {
+                c.out = render(&Response::text(status, "bad request"), false);
+                return Next::Keep;
+            }
+            Parsed::Request(req) => {
+                c.out = answer(state, &req);
+                return Next::Keep;
+            }
+        }
+    }
+}
+
+/// Writes what is left of the answer; closes once it is out (closing
+/// sends the FIN, so the client sees EOF only once the descriptor is gone).
+fn write_answer(c: &mut AdminConn) -> Next {
+    while c.sent < c.out.len() {
+        match c.stream.write(&c.out[c.sent..]) {
+            Ok(0) => return Next::Close,
+            Ok(n) => c.sent += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Next::Keep,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Next::Close,
+        }
+    }
+    Next::Close
+}
+
+/// Routes a complete request and serialises the answer.
+fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
+    let (metrics, shared) = (&state.metrics, &state.shared);
+    let health = if shared.draining() {
+        Health::Draining
+    } else {
+        Health::Serving
+    };
+    let encode = |f| {
+        metrics.refresh_system();
+        if let Some(o) = shared.order() {
+            let left = o.count.saturating_sub(o.taken()).min(shared.live());
+            metrics
+                .close_pending
+                .set(i64::try_from(left).unwrap_or(i64::MAX));
+        }
+        metrics.encode(f)
+    };
+    let r = route(req, health, state.token.as_deref(), &encode, &mut |a| {
+        act(state, a)
+    });
+    render(&r, req.method == "HEAD")
 }
 
 fn act(state: &AdminState, action: Action) -> String {
@@ -366,48 +727,6 @@ fn act(state: &AdminState, action: Action) -> String {
     }
 }
 
-fn serve(mut stream: TcpStream, state: &AdminState) -> io::Result<()> {
-    let (metrics, shared) = (&state.metrics, &state.shared);
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
-    stream.set_write_timeout(Some(IO_TIMEOUT))?;
-    let mut buf = vec![0u8; MAX_REQUEST_HEAD];
-    let mut len = 0;
-    let (response, head_only) = loop {
-        let n = stream.read(&mut buf[len..])?;
-        if n == 0 {
-            return Ok(()); // closed before a full request
-        }
-        len += n;
-        match parse(&buf[..len]) {
-            Parsed::Partial => continue,
-            Parsed::Invalid(status) => break (Response::text(status, "bad request"), false),
-            Parsed::Request(req) => {
-                let health = if shared.draining() {
-                    Health::Draining
-                } else {
-                    Health::Serving
-                };
-                let encode = |f| {
-                    metrics.refresh_system();
-                    if let Some(o) = shared.order() {
-                        let left = o.count.saturating_sub(o.taken()).min(shared.live());
-                        metrics
-                            .close_pending
-                            .set(i64::try_from(left).unwrap_or(i64::MAX));
-                    }
-                    metrics.encode(f)
-                };
-                let r = route(&req, health, state.token.as_deref(), &encode, &mut |a| {
-                    act(state, a)
-                });
-                break (r, req.method == "HEAD");
-            }
-        }
-    };
-    stream.write_all(&render(&response, head_only))?;
-    stream.flush()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,6 +741,7 @@ mod tests {
             target: target.into(),
             accept: None,
             authorization: None,
+            len: 0,
         }
     }
 
@@ -531,13 +851,15 @@ mod tests {
 
     #[test]
     fn parses_with_httparse() {
+        let get = b"GET /metrics HTTP/1.1\r\nHost: x\r\nACCEPT: text/plain\r\n\r\n";
         assert_eq!(
-            parse(b"GET /metrics HTTP/1.1\r\nHost: x\r\nACCEPT: text/plain\r\n\r\n"),
+            parse(get),
             Parsed::Request(Request {
                 method: "GET".into(),
                 target: "/metrics".into(),
                 accept: Some("text/plain".into()),
                 authorization: None,
+                len: get.len(),
             })
         );
         assert_eq!(parse(b"GET /metrics HTTP/1.1\r\nHo"), Parsed::Partial);
@@ -552,6 +874,65 @@ mod tests {
         let mut req = b"GET /".to_vec();
         req.extend_from_slice(&huge);
         assert_eq!(parse(&req[..MAX_REQUEST_HEAD]), Parsed::Invalid(431));
+    }
+
+    #[test]
+    fn bodies_are_bounded_and_read_whole() {
+        let post = |extra: &str, body: &str| {
+            format!("POST /drain HTTP/1.1\r\nHost: x\r\n{extra}\r\n{body}").into_bytes()
+        };
+        let full = post("Content-Length: 5\r\n", "hello");
+        let Parsed::Request(r) = parse(&full) else {
+            panic!("{:?}", parse(&full))
+        };
+        assert_eq!(r.len, full.len());
+        assert_eq!(r.target, "/drain");
+        // The body is part of the request: not complete until it is here.
+        assert_eq!(parse(&full[..full.len() - 1]), Parsed::Partial);
+        // Pipelined bytes after the request are not part of it.
+        let mut more = full.clone();
+        more.extend_from_slice(b"GET / HTTP/1.1\r\n");
+        assert!(matches!(parse(&more), Parsed::Request(r) if r.len == full.len()));
+        for (extra, status) in [
+            (format!("Content-Length: {}\r\n", MAX_BODY + 1), 413),
+            ("Content-Length: 99999999999999999999999\r\n".into(), 413),
+            ("Content-Length: -1\r\n".into(), 400),
+            ("Content-Length: 1\r\nContent-Length: 2\r\n".into(), 400),
+            ("Content-Length: 1, 2\r\n".into(), 400),
+            ("Content-Length: \r\n".into(), 400),
+            ("Transfer-Encoding: chunked\r\n".into(), 411),
+        ] {
+            assert_eq!(
+                parse(&post(&extra, "")),
+                Parsed::Invalid(status),
+                "{extra:?}"
+            );
+        }
+        // Repeated equal lengths are one length.
+        let same = post("Content-Length: 2\r\nContent-Length: 2, 2\r\n", "ok");
+        assert!(matches!(parse(&same), Parsed::Request(r) if r.len == same.len()));
+    }
+
+    #[test]
+    fn the_reader_never_holds_more_than_a_request() {
+        // Byte by byte, the same answer as all at once.
+        let req = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+        let mut r = RequestReader::default();
+        for (i, b) in req.iter().enumerate() {
+            let p = r.feed(std::slice::from_ref(b));
+            if i + 1 < req.len() {
+                assert_eq!(p, Parsed::Partial, "{i}");
+            } else {
+                assert!(matches!(p, Parsed::Request(q) if q.target == "/healthz"));
+            }
+        }
+        // An endless header is cut off at the cap with 431.
+        let mut r = RequestReader::default();
+        assert_eq!(r.feed(b"GET / HTTP/1.1\r\nX: "), Parsed::Partial);
+        let junk = vec![b'a'; 64 * 1024];
+        assert_eq!(r.feed(&junk), Parsed::Invalid(431));
+        assert_eq!(r.room(), 0);
+        assert_eq!(r.feed(&junk), Parsed::Invalid(431));
     }
 
     #[test]

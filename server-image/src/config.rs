@@ -230,6 +230,18 @@ pub struct Config {
     #[arg(long, env = env::DRAIN_TIMEOUT_SECS, default_value_t = DEFAULT_DRAIN_TIMEOUT_SECS)]
     pub drain_timeout_secs: u64,
 
+    /// Seconds a drain keeps the listeners open while endpoint removal
+    /// propagates: connections that arrive get a protocol goodbye (WebSocket
+    /// close 1001 after the upgrade; echo: FIN) instead of a refusal, then
+    /// the listeners close. 0 closes them at once.
+    #[arg(
+        long,
+        env = env::DRAIN_ACCEPT_SECS,
+        default_value_t = c10m_wire::drain::ACCEPT_SECS,
+        value_parser = clap::value_parser!(u64).range(0..=3600)
+    )]
+    pub drain_accept_secs: u64,
+
     /// File holding the bearer token that `POST /drain` and `POST /shed`
     /// require (surrounding whitespace ignored). Without a token from this
     /// file or C10M_ADMIN_TOKEN, those endpoints answer 401.
@@ -345,6 +357,7 @@ mod tests {
         assert_eq!(c.max_frame_bytes, 65_536);
         assert_eq!(c.drain_rate, 0.0);
         assert_eq!(c.drain_timeout_secs, 25);
+        assert_eq!(c.drain_accept_secs, 5);
         assert_eq!(c.admin_token().unwrap(), None);
     }
 
@@ -441,6 +454,7 @@ mod tests {
             ("ws-pong-timeout-secs", env::WS_PONG_TIMEOUT_SECS),
             ("drain-rate", env::DRAIN_RATE),
             ("drain-timeout-secs", env::DRAIN_TIMEOUT_SECS),
+            ("drain-accept-secs", env::DRAIN_ACCEPT_SECS),
             ("admin-token-file", env::ADMIN_TOKEN_FILE),
             ("admin-token", env::ADMIN_TOKEN),
         ];
@@ -542,6 +556,7 @@ mod tests {
             (env::MAX_FRAME_BYTES, "100"),
             (env::DRAIN_RATE, "250.5"),
             (env::DRAIN_TIMEOUT_SECS, "20"),
+            (env::DRAIN_ACCEPT_SECS, "7"),
             (env::ADMIN_TOKEN, "-s3cret"),
         ])
         .unwrap();
@@ -556,6 +571,7 @@ mod tests {
         assert_eq!(c.max_frame_bytes, 100);
         assert_eq!(c.drain_rate, 250.5);
         assert_eq!(c.drain_timeout_secs, 20);
+        assert_eq!(c.drain_accept_secs, 7);
         assert_eq!(c.admin_token().unwrap().as_deref(), Some("-s3cret"));
         let c = Config::from_env_pairs([(env::ADMIN_TOKEN_FILE, "/run/token")]).unwrap();
         assert_eq!(c.admin_token_file, Some("/run/token".into()));
@@ -590,6 +606,8 @@ mod tests {
             (env::PORT, ""),
             (env::MAX_CONNECTIONS, "-1"),
             (env::BIND, "localhost"),
+            (env::DRAIN_ACCEPT_SECS, "-1"),
+            (env::DRAIN_ACCEPT_SECS, "3601"),
         ] {
             let e = Config::from_env_pairs([(name, value)]).unwrap_err();
             assert!(

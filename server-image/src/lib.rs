@@ -3,14 +3,16 @@
 //! Thread-per-core: each worker owns one SO_REUSEPORT listener, one
 //! edge-triggered epoll loop (`mio`) and a slab of compact connection
 //! entries that hold no buffer while idle. A small admin thread serves
-//! `/metrics` and `/healthz`. SIGTERM/SIGINT drain and exit 0.
+//! `/metrics` and `/healthz` from its own event loop. SIGTERM/SIGINT drain
+//! (with an accept window that answers newcomers with a goodbye) and exit 0.
 //!
 //! Modules, one concern each, in start-up order:
 //!
 //! - [`config`]: flags and their `C10M_*` environment fallbacks (the names
 //!   come from `c10m-wire`); [`Config::from_env_pairs`] parses an explicit
 //!   environment.
-//! - [`limits`]: RLIMIT_NOFILE, the connection cap, CPU pinning.
+//! - [`limits`]: RLIMIT_NOFILE, the connection cap, whether to pin workers
+//!   to CPUs (only with one CPU per worker in the affinity mask).
 //! - [`metrics`] (the Prometheus registry) and [`system`] (`/proc` readers).
 //! - [`listen`]: the SO_REUSEPORT listeners, one per worker, on one port.
 //! - [`control`]: state shared across threads: admission under the cap, the
@@ -21,7 +23,10 @@
 //!   pumps, and [`conn::CloseReason`]; over [`ws`], RFC 6455 as pure
 //!   functions.
 //! - [`admin`]: the admin HTTP server (`/metrics`, `/healthz`, `/drain`,
-//!   `/shed`).
+//!   `/shed`): one event loop, whole-request deadlines, bounded
+//!   connections.
+//! - [`door`]: the drain's accept window: goodbyes instead of refusals
+//!   while endpoint removal propagates, then the listeners close.
 //! - [`server`]: wires them together, runs until a signal, drains.
 //!
 //! [`sysctl`] is the `c10m-sysctl` init tool's code. The load generator is
@@ -31,6 +36,7 @@ pub mod admin;
 pub mod config;
 pub mod conn;
 pub mod control;
+pub mod door;
 pub mod limits;
 pub mod listen;
 pub mod metrics;

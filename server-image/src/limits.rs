@@ -1,5 +1,5 @@
 //! Process limits: the file descriptor limit, the connection cap derived from
-//! it, and the CPUs the workers may be pinned to.
+//! it, and whether the workers are pinned to CPUs ([`pinning`]).
 //!
 //! The descriptors kept back from the connection budget ([`fd_reserve`])
 //! and the `fs.nr_open` fallback ([`DEFAULT_NR_OPEN`]) are shared with the
@@ -43,7 +43,7 @@ fn nr_open() -> u64 {
 /// that is refused, the soft limit to the hard limit.
 ///
 /// Pods inherit the container runtime's limits; containerd 2.x leaves soft at
-/// 1,024 with hard at 524,288 [source: `shared/KERNEL_FACTS.md`], so a server
+/// 1,024 with hard at 524,288 [source: `docs/KERNEL_FACTS.md`], so a server
 /// that does not raise soft itself dies at 1k connections. An unlimited hard
 /// limit is treated as `fs.nr_open`, the most the kernel grants. Never fails:
 /// if `setrlimit` is refused, the limit found is reported unchanged.
@@ -146,9 +146,75 @@ pub fn allowed_cpus() -> Vec<usize> {
     (0..n).collect()
 }
 
-/// The CPU worker `worker` is pinned to: workers go round-robin over `cpus`.
-pub fn cpu_for_worker(worker: usize, cpus: &[usize]) -> Option<usize> {
-    (!cpus.is_empty()).then(|| cpus[worker % cpus.len()])
+/// Where the workers run: pinned one per CPU, or wherever the kernel puts
+/// them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pinning {
+    /// Worker *i* is pinned to the *i*-th CPU of the list, which has one CPU
+    /// per worker.
+    Pinned(Vec<usize>),
+    /// No worker is pinned; the kernel schedules them over the mask.
+    Unpinned(Unpinned),
+}
+
+/// Why the workers are not pinned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unpinned {
+    /// The mask holds more CPUs than there are workers: a shared pool (the
+    /// kubelet's `none` CPU manager policy, or a cpuset larger than the
+    /// plan), whose CPUs other processes use too. Pinning there put every
+    /// single-worker shard of a node on the pool's first CPU.
+    SharedPool,
+    /// The mask holds fewer CPUs than there are workers: pinning would put
+    /// two workers on one CPU while the kernel could move them.
+    FewerCpusThanWorkers,
+}
+
+impl Unpinned {
+    /// For the start-up log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SharedPool => "affinity mask has more CPUs than workers (shared pool)",
+            Self::FewerCpusThanWorkers => "affinity mask has fewer CPUs than workers",
+        }
+    }
+}
+
+impl Pinning {
+    /// The CPU worker `worker` is pinned to, if the workers are pinned.
+    pub fn cpu(&self, worker: usize) -> Option<usize> {
+        match self {
+            Pinning::Pinned(cpus) => cpus.get(worker).copied(),
+            Pinning::Unpinned(_) => None,
+        }
+    }
+
+    /// Whether the workers are pinned.
+    pub fn pinned(&self) -> bool {
+        matches!(self, Pinning::Pinned(_))
+    }
+}
+
+/// Decides whether to pin `workers` workers given the process's affinity
+/// `mask` (its allowed CPUs, from [`allowed_cpus`]).
+///
+/// Pins only when the mask holds exactly one CPU per worker: that is what a
+/// cpuset the process owns looks like (the kubelet's `static` CPU manager
+/// policy gives a Guaranteed pod with integer CPUs exclusive CPUs, as many
+/// as it requests, and the plan runs one worker per requested CPU; so does
+/// `taskset -c` with as many CPUs as `--workers`). Any other mask is shared
+/// with other processes or cannot give each worker its own CPU, and there
+/// the kernel's scheduler places the threads better than a fixed pin: with
+/// several single-worker processes in a shared pool, pinning each one's
+/// worker to the first CPU of its mask put them all on one CPU.
+pub fn pinning(mask: &[usize], workers: usize) -> Pinning {
+    if mask.len() > workers {
+        Pinning::Unpinned(Unpinned::SharedPool)
+    } else if mask.len() < workers {
+        Pinning::Unpinned(Unpinned::FewerCpusThanWorkers)
+    } else {
+        Pinning::Pinned(mask.to_vec())
+    }
 }
 
 /// Pins the calling thread to `cpu`. Returns whether it worked; failure (a
@@ -179,12 +245,13 @@ mod tests {
     fn cap_is_lowered_to_fd_limit_minus_reserve() {
         // The default 1M cap on this machine's 20,000 descriptors, 2 workers.
         let c = connection_cap(1_000_000, None, 20_000, 2);
+        use c10m_wire::limits::ADMIN_MAX_CONNECTIONS;
         use c10m_wire::limits::{FD_RESERVE_BASE, FD_RESERVE_PER_WORKER};
         assert_eq!(
             c.cap,
-            20_000 - (FD_RESERVE_BASE + 2 * FD_RESERVE_PER_WORKER)
+            20_000 - (FD_RESERVE_BASE + ADMIN_MAX_CONNECTIONS + 2 * FD_RESERVE_PER_WORKER)
         );
-        assert_eq!(c.cap, 19_960);
+        assert_eq!(c.cap, 19_830);
         assert_eq!(c.limited_by, CapLimit::FdLimit);
         assert_eq!(c.nofile_shortfall, None);
     }
@@ -193,7 +260,7 @@ mod tests {
     fn nofile_shortfall_is_reported() {
         let c = connection_cap(1_000_000, Some(1_048_576), 20_000, 2);
         assert_eq!(c.nofile_shortfall, Some(1_048_576));
-        assert_eq!(c.cap, 19_960);
+        assert_eq!(c.cap, 19_830);
         // Asking for no more than we have is no shortfall.
         let c = connection_cap(1_000, Some(20_000), 20_000, 2);
         assert_eq!(c.nofile_shortfall, None);
@@ -208,11 +275,34 @@ mod tests {
     }
 
     #[test]
-    fn workers_round_robin_over_cpus() {
-        let cpus = [2, 5, 7];
-        let got: Vec<_> = (0..5).map(|w| cpu_for_worker(w, &cpus)).collect();
-        assert_eq!(got, [Some(2), Some(5), Some(7), Some(2), Some(5)]);
-        assert_eq!(cpu_for_worker(0, &[]), None);
+    fn pins_only_with_one_cpu_per_worker() {
+        // A static-CPU-manager cpuset of the plan's size: one CPU each.
+        assert_eq!(pinning(&[2, 5, 7], 3), Pinning::Pinned(vec![2, 5, 7]));
+        assert_eq!(pinning(&[1], 1), Pinning::Pinned(vec![1]));
+        let p = pinning(&[2, 5, 7], 3);
+        assert_eq!(
+            (0..4).map(|w| p.cpu(w)).collect::<Vec<_>>(),
+            [Some(2), Some(5), Some(7), None]
+        );
+        // Fault 12: single-worker shards in a shared pool all took CPU 0.
+        assert_eq!(pinning(&[0, 1], 1), Pinning::Unpinned(Unpinned::SharedPool));
+        let pool: Vec<usize> = (0..64).collect();
+        for workers in [1, 2, 8, 63] {
+            let p = pinning(&pool, workers);
+            assert_eq!(p, Pinning::Unpinned(Unpinned::SharedPool), "{workers}");
+            assert!(!p.pinned());
+            assert_eq!(p.cpu(0), None);
+        }
+        assert!(pinning(&pool, 64).pinned());
+        // More workers than CPUs: pinning would stack two on one CPU.
+        assert_eq!(
+            pinning(&[3], 2),
+            Pinning::Unpinned(Unpinned::FewerCpusThanWorkers)
+        );
+        assert_eq!(
+            pinning(&[], 1),
+            Pinning::Unpinned(Unpinned::FewerCpusThanWorkers)
+        );
     }
 
     #[test]

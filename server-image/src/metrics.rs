@@ -94,19 +94,59 @@ pub enum RejectReason {
     /// connection was taken off the queue with the worker's spare descriptor
     /// and closed.
     FdLimit,
+    /// The server is draining: during its accept window a new connection is
+    /// answered with a protocol goodbye and closed ([`crate::door`]).
+    Draining,
 }
 
 impl RejectReason {
     /// Every reason, in label order.
-    pub const ALL: [RejectReason; 2] = [Self::Capacity, Self::FdLimit];
+    pub const ALL: [RejectReason; 3] = [Self::Capacity, Self::FdLimit, Self::Draining];
 
     /// The `reason` label value.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Capacity => "capacity",
             Self::FdLimit => "fd_limit",
+            Self::Draining => "draining",
         }
     }
+}
+
+/// Why the admin port dropped a connection without answering it
+/// (`c10m_admin_connections_dropped_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AdminDrop {
+    /// Over the bound on concurrent admin connections.
+    Limit,
+    /// The request was not complete (or the answer not taken) in time.
+    Deadline,
+}
+
+impl AdminDrop {
+    /// Every reason, in label order.
+    pub const ALL: [AdminDrop; 2] = [Self::Limit, Self::Deadline];
+
+    /// The `reason` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Limit => "limit",
+            Self::Deadline => "deadline",
+        }
+    }
+}
+
+impl EncodeLabelValue for AdminDrop {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), fmt::Error> {
+        fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+/// Label set `{reason="..."}` for admin connections dropped.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct AdminDropLabel {
+    /// Why the connection was dropped.
+    pub reason: AdminDrop,
 }
 
 impl EncodeLabelValue for CloseReason {
@@ -194,6 +234,11 @@ pub struct Metrics {
     tcp_memory: Gauge,
     resident: Gauge,
     sysctl: Family<SysctlLabel, Gauge>,
+    /// `c10m_cpu_pinned`: 1 when the workers are pinned one per CPU (the
+    /// affinity mask holds exactly one CPU per worker), 0 when the kernel
+    /// schedules them ([`crate::limits::pinning`]).
+    pub cpu_pinned: Gauge,
+    admin_dropped: Family<AdminDropLabel, Counter>,
 }
 
 /// One worker's metric handles: atomics shared with the registry, so
@@ -247,6 +292,8 @@ impl Metrics {
             tcp_memory: Gauge::default(),
             resident: Gauge::default(),
             sysctl: Family::default(),
+            cpu_pinned: Gauge::default(),
+            admin_dropped: Family::default(),
             registry: Registry::default(),
         };
         let registry = &mut m.registry;
@@ -267,7 +314,7 @@ impl Metrics {
         );
         registry.register(
             "c10m_connections_rejected",
-            "Connections accepted and closed at once, by reason (capacity, fd_limit)",
+            "Connections accepted and closed at once, by reason (capacity, fd_limit, draining)",
             m.rejected.clone(),
         );
         registry.register(
@@ -329,6 +376,16 @@ impl Metrics {
             "Kernel settings read at start (tcp_mem in pages, tcp_rmem and tcp_wmem in bytes)",
             m.sysctl.clone(),
         );
+        registry.register(
+            "c10m_cpu_pinned",
+            "1 if the workers are pinned one per CPU (the affinity mask holds exactly one CPU per worker), 0 if the kernel schedules them",
+            m.cpu_pinned.clone(),
+        );
+        registry.register(
+            "c10m_admin_connections_dropped",
+            "Admin port connections closed without an answer, by reason (limit: over the bound on concurrent connections; deadline: request not complete in time)",
+            m.admin_dropped.clone(),
+        );
         // The process collector's conventional name, so stock dashboards work.
         registry.register_with_unit(
             "process_resident_memory",
@@ -353,6 +410,10 @@ impl Metrics {
         for reason in RejectReason::ALL {
             m.rejected.get_or_create_owned(&RejectLabel { reason });
         }
+        for reason in AdminDrop::ALL {
+            m.admin_dropped
+                .get_or_create_owned(&AdminDropLabel { reason });
+        }
         m.workers.set(i64::from(workers));
         m
     }
@@ -371,6 +432,18 @@ impl Metrics {
             rejected: RejectReason::ALL
                 .map(|reason| self.rejected.get_or_create_owned(&RejectLabel { reason })),
         }
+    }
+
+    /// The admin port's dropped-connections counter for `reason`.
+    pub fn admin_dropped(&self, reason: AdminDrop) -> Counter {
+        self.admin_dropped
+            .get_or_create_owned(&AdminDropLabel { reason })
+    }
+
+    /// The rejected-connections counter for `reason`, for code outside the
+    /// workers (the drain's accept window).
+    pub fn rejected(&self, reason: RejectReason) -> Counter {
+        self.rejected.get_or_create_owned(&RejectLabel { reason })
     }
 
     /// Records the kernel settings read at start (see
@@ -428,6 +501,9 @@ mod tests {
         for (i, r) in RejectReason::ALL.iter().enumerate() {
             assert_eq!(*r as usize, i);
         }
+        for (i, r) in AdminDrop::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
     }
 
     #[test]
@@ -466,6 +542,12 @@ mod tests {
             "c10m_connections_closed_total{reason=\"budget\"} 0",
             "c10m_connections_closed_total{reason=\"ping_timeout\"} 0",
             "c10m_connections_closed_total{reason=\"unreachable\"} 0",
+            "c10m_connections_rejected_total{reason=\"draining\"} 0",
+            "# TYPE c10m_cpu_pinned gauge",
+            "c10m_cpu_pinned 0",
+            "# TYPE c10m_admin_connections_dropped counter",
+            "c10m_admin_connections_dropped_total{reason=\"limit\"} 0",
+            "c10m_admin_connections_dropped_total{reason=\"deadline\"} 0",
             "# EOF",
         ] {
             assert!(

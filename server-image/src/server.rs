@@ -1,4 +1,5 @@
-//! Start-up and shutdown: limits, listeners, admin thread, workers, signals.
+//! Start-up and shutdown: limits, listeners, admin thread, workers, signals,
+//! and the drain with its accept window ([`crate::door`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use signal_hook::iterator::Signals;
 
 use crate::config::Config;
 use crate::control::Shared;
+use crate::door;
 use crate::limits::{self, CapLimit};
 use crate::listen;
 use crate::metrics::Metrics;
@@ -31,10 +33,14 @@ enum Event {
 }
 
 /// Runs the server until SIGTERM, SIGINT or `POST /drain`, then drains:
-/// stops accepting, closes every connection at the drain rate with a
-/// protocol goodbye (WebSocket close 1001; FIN for echo), and returns `Ok`
-/// once all are closed or, at the drain deadline, after closing the rest at
-/// once. A second signal exits at once with status 1. Returns `Err` if
+/// `/healthz` answers 503 at once; the workers stop taking new connections
+/// and close every held one at the drain rate with a protocol goodbye
+/// (WebSocket close 1001; FIN for echo); meanwhile, for
+/// `--drain-accept-secs`, the listeners stay open and new connections get
+/// the same goodbye instead of a refusal ([`crate::door`]), then they
+/// close. Returns `Ok` once every connection is closed (or, at the drain
+/// deadline, after closing the rest at once) and the accept window is
+/// over. A second signal exits at once with status 1. Returns `Err` if
 /// start-up fails or a worker dies.
 pub fn run(config: Config) -> anyhow::Result<()> {
     // Limits first: everything after opens descriptors.
@@ -67,7 +73,23 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         );
     }
 
+    let pinning = limits::pinning(&cpus, workers);
+    match &pinning {
+        limits::Pinning::Pinned(pinned) => tracing::info!(
+            workers,
+            cpus = ?pinned,
+            "CPU pinning on: the affinity mask holds one CPU per worker, worker i runs on the i-th"
+        ),
+        limits::Pinning::Unpinned(why) => tracing::info!(
+            workers,
+            mask = ?cpus,
+            reason = why.as_str(),
+            "CPU pinning off: the kernel schedules the workers"
+        ),
+    }
+
     let metrics = Arc::new(Metrics::new(workers as u32));
+    metrics.cpu_pinned.set(i64::from(pinning.pinned()));
     metrics
         .capacity
         .set(i64::try_from(cap.cap).unwrap_or(i64::MAX));
@@ -102,6 +124,13 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     let admin_listener =
         admin::bind(admin_addr).with_context(|| format!("binding admin port {admin_addr}"))?;
     let admin_local = admin_listener.local_addr()?;
+    // A second descriptor of each listener keeps it open through the drain's
+    // accept window, after the workers drop theirs.
+    let door_listeners = listeners
+        .iter()
+        .map(std::net::TcpListener::try_clone)
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("copying the listeners for the drain's accept window")?;
 
     let shared = Arc::new(Shared::new(cap.cap, Arc::clone(&draining)));
     let (tx, rx) = mpsc::channel::<Event>();
@@ -112,7 +141,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         let spec = WorkerSpec {
             id,
             listener,
-            cpu: limits::cpu_for_worker(id as usize, &cpus),
+            cpu: pinning.cpu(id as usize),
             limits: worker::Limits::from_config(&config),
         };
         let on_exit = move |id, r: &std::io::Result<()>| {
@@ -158,6 +187,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         admin = %admin_local,
         workers,
         cpus = ?cpus,
+        pinned = pinning.pinned(),
         cap = cap.cap,
         fd_limit = nofile.effective,
         fd_soft_before = nofile.soft_before,
@@ -184,10 +214,34 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         Err(_) => bail!("all workers and the signal thread are gone"),
     };
 
-    // Drain: stop accepting, close connections at the rate, exit when all
-    // workers are empty or at the deadline.
+    // Drain: readiness drops, the workers stop accepting and close their
+    // connections at the rate, the door says goodbye to newcomers for the
+    // accept window; exit when all workers are empty (or at the deadline)
+    // and the window is over.
     metrics.draining.set(1);
     shared.start_drain(rate);
+    let window = Duration::from_secs(config.drain_accept_secs);
+    let door = if failure.is_none() && !window.is_zero() {
+        tracing::info!(
+            secs = config.drain_accept_secs,
+            "accept window: new connections get a goodbye until it ends"
+        );
+        match door::spawn(
+            door_listeners,
+            config.protocol,
+            window,
+            Arc::clone(&metrics),
+        ) {
+            Ok(h) => Some(h),
+            Err(e) => {
+                tracing::error!(error = %e, "could not start the accept window; listeners close now");
+                None
+            }
+        }
+    } else {
+        drop(door_listeners);
+        None
+    };
     let deadline = Instant::now() + Duration::from_secs(config.drain_timeout_secs);
     let mut exited = 0;
     while exited < handles.len() {
@@ -212,6 +266,11 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             Ok(Err(e)) => tracing::error!(worker = h.id, error = %e, "worker failed"),
             Err(_) => tracing::error!(worker = h.id, "worker panicked"),
         }
+    }
+    if let Some(door) = door
+        && door.join().is_err()
+    {
+        tracing::error!("accept window thread panicked");
     }
     signal_handle.close();
     tracing::info!(live = shared.live(), "drained; exiting");

@@ -252,7 +252,8 @@ fn large_payload_round_trips_under_backpressure() {
 
 #[test]
 fn sigterm_drains_and_exits_zero_within_two_seconds() {
-    let mut server = Server::start(2, &[]);
+    // No accept window (tests/drain_window.rs has those): exit at once.
+    let mut server = Server::start(2, &["--drain-accept-secs", "0"]);
     let mut conns: Vec<TcpStream> = (0..200).map(|_| server.connect()).collect();
     for c in &mut conns {
         echo_once(c, b"before");
@@ -274,7 +275,7 @@ fn sigterm_drains_and_exits_zero_within_two_seconds() {
 
 #[test]
 fn sigint_drains_too() {
-    let mut server = Server::start(1, &[]);
+    let mut server = Server::start(1, &["--drain-accept-secs", "0"]);
     let mut c = server.connect();
     echo_once(&mut c, b"hi");
     server.signal(rustix::process::Signal::INT);
@@ -308,7 +309,7 @@ fn env_fallbacks_and_nofile_shortfall_lower_the_cap() {
         1_000_000u64.min(hard - fd_reserve(3)) as f64
     );
     if hard < 1_000_000 {
-        // The concrete case on this machine: 20,000 - (32 + 3 * 4).
+        // The concrete case on this machine: 20,000 - (32 + 128 + 3 * 5).
         assert!(value(&m, "c10m_connections_capacity") < hard as f64);
     }
     let small = Server::start_with(Opts {
@@ -321,16 +322,16 @@ fn env_fallbacks_and_nofile_shortfall_lower_the_cap() {
 
 #[test]
 fn low_fd_limit_caps_connections_below_it() {
-    // A pod whose hard limit is only 100 descriptors: the cap drops to
-    // 100 - (32 + 4 * 2) = 60, connections above it are rejected cleanly and
-    // the process never runs into EMFILE.
+    // A pod whose hard limit is only 230 descriptors: the cap drops to
+    // 230 - (32 + 128 + 5 * 2) = 60, connections above it are rejected
+    // cleanly and the process never runs into EMFILE.
     let server = Server::start_with(Opts {
         workers: 2,
-        nofile_limit: Some(100),
+        nofile_limit: Some(230),
         ..Opts::default()
     });
     let m = server.metrics();
-    assert_eq!(value(&m, "c10m_fd_limit"), 100.0);
+    assert_eq!(value(&m, "c10m_fd_limit"), 230.0);
     assert_eq!(value(&m, "c10m_connections_capacity"), 60.0);
     let mut conns: Vec<TcpStream> = (0..75).map(|_| server.connect()).collect();
     let (mut held, mut eof) = (0, 0);
@@ -353,7 +354,7 @@ fn low_fd_limit_caps_connections_below_it() {
         value(&m, "c10m_connections_rejected_total{reason=\"fd_limit\"}"),
         0.0
     );
-    // Admin still answers with 60 connections open out of 100 descriptors.
+    // Admin still answers with 60 connections open out of 230 descriptors.
     assert_eq!(server.http("GET", "/healthz", None).unwrap().0, 200);
 }
 

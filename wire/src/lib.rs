@@ -37,6 +37,10 @@ pub mod env {
     pub const DRAIN_RATE: &str = "C10M_DRAIN_RATE";
     /// Seconds a drain may take before the rest is closed at once.
     pub const DRAIN_TIMEOUT_SECS: &str = "C10M_DRAIN_TIMEOUT_SECS";
+    /// Seconds a draining server keeps its listeners open, answering new
+    /// connections with a protocol goodbye, while endpoint removal
+    /// propagates.
+    pub const DRAIN_ACCEPT_SECS: &str = "C10M_DRAIN_ACCEPT_SECS";
     /// File holding the admin bearer token.
     pub const ADMIN_TOKEN_FILE: &str = "C10M_ADMIN_TOKEN_FILE";
     /// The admin bearer token itself.
@@ -98,23 +102,49 @@ pub mod metrics {
     pub const TCP_MEMORY_BYTES: &str = "c10m_tcp_memory_bytes";
 }
 
+/// Shutdown timing both sides count with.
+pub mod drain {
+    /// Seconds a draining server keeps accepting (and answering with a
+    /// protocol goodbye) after SIGTERM, before it closes its listeners: the
+    /// default of [`super::env::DRAIN_ACCEPT_SECS`], which the operator
+    /// renders and adds to `terminationGracePeriodSeconds`.
+    ///
+    /// Endpoint removal races SIGTERM (kubernetes#86280): the pod leaves
+    /// its EndpointSlices while the kubelet signals it, and each node's
+    /// kube-proxy rewrites its rules at most once per
+    /// `--iptables-min-sync-period` (default 1 s since kubernetes#92836)
+    /// after its watch delivers the change. 5 s covers that sync plus watch
+    /// delivery on a loaded control plane, with room; load balancers that
+    /// follow endpoints more slowly need a larger value. Chosen from those
+    /// sources, not measured.
+    pub const ACCEPT_SECS: u64 = 5;
+}
+
 /// Descriptors and queue sizes both sides count with.
 pub mod limits {
     /// File descriptors kept back from the connection budget regardless of
     /// the worker count, in descriptors: stdio, the admin listener and its
-    /// connections, the signal self-pipe, slack. Chosen, not measured.
+    /// event loop, the signal self-pipe, slack. Chosen, not measured.
     pub const FD_RESERVE_BASE: u64 = 32;
 
+    /// Most connections the admin port holds at once, in connections: more
+    /// than the probes, scrapes and orders a shard sees together, and more
+    /// than the 100 slow or idle clients it must outlast while answering
+    /// `/healthz`. Counted in [`fd_reserve`], so a full shard still has the
+    /// descriptors to answer its probes. Chosen, not measured.
+    pub const ADMIN_MAX_CONNECTIONS: u64 = 128;
+
     /// File descriptors each worker holds besides its connections, in
-    /// descriptors: its SO_REUSEPORT listener, its epoll instance, the
+    /// descriptors: its SO_REUSEPORT listener, a second descriptor of that
+    /// listener kept for the drain's accept window, its epoll instance, the
     /// eventfd behind its waker and a spare descriptor for accepting under
-    /// `EMFILE`. Counted from the server's worker code.
-    pub const FD_RESERVE_PER_WORKER: u64 = 4;
+    /// `EMFILE`. Counted from the server's code.
+    pub const FD_RESERVE_PER_WORKER: u64 = 5;
 
     /// Descriptors kept back from the connection budget for `workers`
     /// workers: the plan's `nofile` is the connection cap plus this.
     pub const fn fd_reserve(workers: u64) -> u64 {
-        FD_RESERVE_BASE + FD_RESERVE_PER_WORKER * workers
+        FD_RESERVE_BASE + ADMIN_MAX_CONNECTIONS + FD_RESERVE_PER_WORKER * workers
     }
 
     /// `listen(2)` backlog per listener, in pending connections: the largest
@@ -207,8 +237,8 @@ mod tests {
 
     #[test]
     fn fd_reserve_counts_base_and_workers() {
-        assert_eq!(limits::fd_reserve(0), 32);
-        assert_eq!(limits::fd_reserve(8), 64);
+        assert_eq!(limits::fd_reserve(0), 32 + 128);
+        assert_eq!(limits::fd_reserve(8), 32 + 128 + 40);
     }
 
     #[test]
@@ -227,6 +257,7 @@ mod tests {
             env::MAX_FRAME_BYTES,
             env::DRAIN_RATE,
             env::DRAIN_TIMEOUT_SECS,
+            env::DRAIN_ACCEPT_SECS,
             env::ADMIN_TOKEN_FILE,
             env::ADMIN_TOKEN,
             env::KEEPALIVE_IDLE_SECS,
