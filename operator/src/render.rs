@@ -88,6 +88,21 @@ pub fn render(
         env(wire_env::NOFILE, plan.nofile),
         env(wire_env::BACKLOG, plan.listen_backlog),
         env(wire_env::PROTOCOL, spec.backend.protocol.wire_name()),
+        // Dead peers stop counting within plan::bundled::dead_peer_seconds;
+        // unfinished input stays within the budget the shard's memory holds.
+        env(
+            wire_env::KEEPALIVE_IDLE_SECS,
+            plan::bundled::KEEPALIVE_IDLE_SECS,
+        ),
+        env(
+            wire_env::KEEPALIVE_INTERVAL_SECS,
+            plan::bundled::KEEPALIVE_INTERVAL_SECS,
+        ),
+        env(wire_env::KEEPALIVE_COUNT, plan::bundled::KEEPALIVE_COUNT),
+        env(
+            wire_env::PARTIAL_BUDGET_BYTES,
+            plan::bundled::PARTIAL_BUDGET_BYTES_PER_WORKER,
+        ),
     ];
     // Drain: close at the fleet's rate on SIGTERM, finishing before the grace period ends.
     let grace = drain_seconds(plan.shard_connection_limit, spec.drain.rate) + DRAIN_SLACK_SECONDS;
@@ -376,7 +391,7 @@ mod tests {
     };
 
     /// Every `C10M_*` name of the contract, from `c10m_wire::env`.
-    const WIRE_ENV: [&str; 15] = [
+    const WIRE_ENV: [&str; 23] = [
         wire_env::BIND,
         wire_env::PORT,
         wire_env::METRICS_PORT,
@@ -392,6 +407,14 @@ mod tests {
         wire_env::DRAIN_TIMEOUT_SECS,
         wire_env::ADMIN_TOKEN_FILE,
         wire_env::ADMIN_TOKEN,
+        wire_env::KEEPALIVE_IDLE_SECS,
+        wire_env::KEEPALIVE_INTERVAL_SECS,
+        wire_env::KEEPALIVE_COUNT,
+        wire_env::TCP_USER_TIMEOUT_SECS,
+        wire_env::FRAME_TIMEOUT_SECS,
+        wire_env::PARTIAL_BUDGET_BYTES,
+        wire_env::WS_PING_SECS,
+        wire_env::WS_PONG_TIMEOUT_SECS,
     ];
 
     struct Case {
@@ -953,6 +976,18 @@ mod tests {
             assert_ne!(
                 cfg.drain_timeout_secs,
                 c10m_server::config::DEFAULT_DRAIN_TIMEOUT_SECS
+            );
+            // Keepalive and the unfinished-input budget the plan accounts.
+            let dead_after = c10m_wire::keepalive::dead_after_secs(
+                cfg.keepalive_idle_secs,
+                cfg.keepalive_interval_secs,
+                cfg.keepalive_count,
+            );
+            assert_eq!(dead_after as i64, plan::bundled::dead_peer_seconds());
+            assert_eq!(cfg.keepalive_idle_secs, 60);
+            assert_eq!(
+                cfg.partial_budget_bytes as i64 * i64::from(p.workers),
+                plan::bundled::partial_budget_bytes(&c.fleet.spec)
             );
         }
     }

@@ -96,7 +96,13 @@ pub struct Plan {
     pub listen_backlog: i64,
     /// What limits connections per node.
     pub limiting_factor: LimitingFactor,
-    /// Sysctls the plan applies (name → value); only raises over kernel defaults.
+    /// Sysctls the plan applies (name → value); only raises over kernel
+    /// defaults. Absent when the plan applies none.
+    // Omitted when empty, never `{}`: server-side apply turns an empty map
+    // that replaces a non-empty one into null, which the schema refuses, so
+    // the status write of a fleet switched to a mode that applies none
+    // (e.g. PodSecurityContext with only unsafe sysctls wanted) failed.
+    #[serde(default, skip_serializing_if = "Sysctls::is_empty")]
     pub sysctls: Sysctls,
     /// Sysctls the plan wants but the sysctl mode cannot apply.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -16,6 +16,7 @@ use crate::api::{
     BackendModel, BytesPerConnection, ConnectionFleetSpec, LimitingFactor, Plan, SysctlMode,
 };
 
+use super::bundled::partial_budget_bytes;
 use super::kernel::*;
 use super::sysctl::{NodeLoad, plan_sysctls};
 use super::validate::validate;
@@ -53,6 +54,9 @@ pub fn raises_own_nofile(spec: &ConnectionFleetSpec) -> bool {
 struct Inputs {
     connections: i64,
     user: i64,
+    /// Bytes a shard holds for unfinished input, beyond its connections
+    /// ([`partial_budget_bytes`]).
+    partial: i64,
     kernel_node: i64,
     kernel_pod: i64,
     headroom: i64,
@@ -78,12 +82,15 @@ impl Inputs {
         ceil_div(l * self.queued_percent, 100)
     }
 
-    /// Memory limit of a shard container with cap `l`, rounded up to MiB.
-    /// Computed in `i128` (cap × bytes passes `i64` for a 1 GiB custom
-    /// backend near the connection bound) and saturated: a limit that
-    /// large fits no node, so the memory check refuses it.
+    /// Memory limit of a shard container with cap `l`, rounded up to MiB:
+    /// the process base, the budget for unfinished input, and the
+    /// connections. Computed in `i128` (cap × bytes passes `i64` for a
+    /// 1 GiB custom backend near the connection bound) and saturated: a
+    /// limit that large fits no node, so the memory check refuses it.
     fn memory_limit(&self, l: i64) -> i64 {
-        let bytes = PROCESS_BASE_BYTES as i128 + l as i128 * (self.user + self.kernel_pod) as i128;
+        let bytes = PROCESS_BASE_BYTES as i128
+            + self.partial as i128
+            + l as i128 * (self.user + self.kernel_pod) as i128;
         saturate(ceil_div_wide(bytes, 1 << 20) * (1 << 20))
     }
 
@@ -222,9 +229,9 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
         .unwrap_or((0, 0));
     if per_shard == 0 {
         return Err(PlanError::Infeasible(format!(
-            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a 64 MiB base plus its connections)",
+            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a 64 MiB base, 8 MiB per worker of the bundled server, plus its connections)",
             node.memory_bytes,
-            PROCESS_BASE_BYTES,
+            PROCESS_BASE_BYTES + inputs.partial,
             inputs.user + inputs.kernel_node
         )));
     }
@@ -363,6 +370,7 @@ impl Inputs {
         Inputs {
             connections: spec.connections,
             user,
+            partial: partial_budget_bytes(spec),
             kernel_node: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 } + queued_bytes,
             kernel_pod: kernel_socket.min(CGROUP_KERNEL_BYTES_PER_SOCKET) + queued_bytes,
             headroom: spec.shard.headroom_percent as i64,
@@ -427,6 +435,45 @@ mod tests {
             (p.connections_per_node as f64 - expect).abs() / expect < 0.01,
             "{}",
             p.connections_per_node
+        );
+    }
+
+    #[test]
+    fn shard_memory_holds_the_unfinished_input_budget_of_its_workers() {
+        // Issue 10, fault 10: what clients that stop mid-frame can make the
+        // bundled server hold is its per-worker budget, a per-shard amount.
+        let mib = |b: i64| ceil_div(b, 1 << 20) * (1 << 20);
+        for cpus in [1, 2, 8] {
+            let s = spec(serde_json::json!({
+                "connections": 1_000_000,
+                "shard": {"cpus": cpus, "minShards": 4}
+            }));
+            let p = plan(&s, NODE).unwrap();
+            let per_conn = p.bytes_per_connection.user + CGROUP_KERNEL_BYTES_PER_SOCKET + 410;
+            assert_eq!(
+                p.memory_limit_bytes,
+                mib(PROCESS_BASE_BYTES
+                    + i64::from(cpus) * (8 << 20)
+                    + p.shard_connection_limit * per_conn),
+                "{cpus} CPUs"
+            );
+            assert_eq!(
+                p.bytes_per_connection.user, EPOLL_USER_BYTES,
+                "not per connection"
+            );
+            assert!(check(&s, &p).is_empty());
+        }
+        // Other servers' buffering is theirs to declare.
+        let s = spec(serde_json::json!({
+            "connections": 1_000_000,
+            "shard": {"cpus": 2, "minShards": 4},
+            "backend": {"model": "custom", "userBytesPerConnection": 100}
+        }));
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(
+            p.memory_limit_bytes,
+            mib(PROCESS_BASE_BYTES
+                + p.shard_connection_limit * (100 + CGROUP_KERNEL_BYTES_PER_SOCKET + 410))
         );
     }
 

@@ -3,12 +3,15 @@
 //! sysctls that let the kernel hold them.
 //!
 //! - [`kernel`]: measured kernel facts and the kernel's defaults;
+//! - [`bundled`]: keepalive and the unfinished-input budget the plan gives
+//!   the bundled server;
 //! - [`nodes`]: the node profile (spec values, else the cluster's nodes);
 //! - [`validate`]: what the schema cannot check, parsed once;
 //! - [`sysctl`]: which sysctls a plan raises, under which mode;
 //! - [`capacity`]: the search for shards and the plan's self-check;
 //! - [`error`]: why no plan could be made.
 
+pub mod bundled;
 pub mod capacity;
 pub mod error;
 pub mod kernel;
