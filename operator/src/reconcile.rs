@@ -61,6 +61,13 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Observe: the API server returned an object without a field it
+    /// always sets (a proxy or a mock in the way); never a panic.
+    #[error("{what}")]
+    Malformed {
+        /// What is missing, naming the object.
+        what: String,
+    },
     /// Observe: listing the nodes for the node profile failed.
     #[error("list nodes: {}", concise(source))]
     Nodes {
@@ -125,6 +132,7 @@ impl Error {
             Error::Nodes { .. } => Reason::NodesUnavailable,
             Error::Apply { .. } => Reason::ApplyFailed,
             Error::Observe { .. }
+            | Error::Malformed { .. }
             | Error::AdminSecret { .. }
             | Error::AdminSecretInvalid { .. }
             | Error::MetricsLoop { .. }
@@ -136,7 +144,9 @@ impl Error {
     /// `c10m_operator_reconciliations_total`.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            Error::Observe { .. } | Error::Nodes { .. } => "observe_error",
+            Error::Observe { .. } | Error::Malformed { .. } | Error::Nodes { .. } => {
+                "observe_error"
+            }
             Error::AdminSecret { .. } | Error::AdminSecretInvalid { .. } | Error::Apply { .. } => {
                 "apply_error"
             }
@@ -323,7 +333,9 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
     let owner = fleet
         .controller_owner_ref(&())
-        .expect("a fleet from the API server has a uid");
+        .ok_or_else(|| Error::Malformed {
+            what: format!("ConnectionFleet {name} as read has no metadata.uid"),
+        })?;
     let node = observe::node_facts(&ctx.client, fleet).await?; // client required
     let plan = plan_fleet(fleet, node)?; // no client required
     let conflict = observe::foreign_object(&ctx.client, &ns, &name, &owner.uid).await?; // client required

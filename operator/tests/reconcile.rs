@@ -588,6 +588,31 @@ async fn a_secret_without_a_token_waits_for_a_person() {
 }
 
 #[tokio::test]
+async fn a_fleet_read_without_a_uid_is_a_reported_error_not_a_panic() {
+    let cached = fleet(feasible());
+    let mut cluster = Cluster::with_fleet(&cached);
+    cluster.objects.get_mut(FLEET).unwrap()["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("uid");
+    let h = Harness::start(cluster);
+    let err = h.reconcile(&cached).await.expect_err("no uid");
+    assert!(matches!(err, Error::Malformed { .. }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "ConnectionFleet edge as read has no metadata.uid"
+    );
+    assert_eq!(err.reason(), Reason::ReconcileFailed);
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    assert_eq!(condition(&written[0], "Degraded").1, "ReconcileFailed");
+    for path in [DEPLOYMENT, SERVICE, PDB, SECRETS] {
+        assert!(writes_to(&calls, path).is_empty(), "{path}: {calls:#?}");
+    }
+}
+
+#[tokio::test]
 async fn a_deleted_fleet_is_left_alone() {
     let cached = fleet(feasible());
     let mut cluster = Cluster::with_fleet(&cached);
