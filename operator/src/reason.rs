@@ -68,6 +68,17 @@ pub enum Reason {
     RollingOut,
     /// The rollout finished.
     RolloutComplete,
+    // --- the workload (Deployment, ReplicaSets, pods) ---
+    /// PodSecurity admission refuses the fleet's pods (ReplicaSet FailedCreate).
+    PodSecurityForbidden,
+    /// A ResourceQuota refuses the fleet's pods (ReplicaSet FailedCreate).
+    QuotaExceeded,
+    /// The fleet's pods cannot be created for another reason (ReplicaSet FailedCreate).
+    PodCreationFailed,
+    /// A shard's image cannot be pulled (the pods' container statuses).
+    ImagePullFailed,
+    /// The Deployment made no progress within its progress deadline.
+    ProgressDeadlineExceeded,
     // --- sysctls ---
     /// Every sysctl of the plan is applied.
     AllApplied,
@@ -103,7 +114,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 28] = [
+    pub const ALL: [Reason; 33] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -118,6 +129,11 @@ impl Reason {
         Reason::ShardsNotReady,
         Reason::RollingOut,
         Reason::RolloutComplete,
+        Reason::PodSecurityForbidden,
+        Reason::QuotaExceeded,
+        Reason::PodCreationFailed,
+        Reason::ImagePullFailed,
+        Reason::ProgressDeadlineExceeded,
         Reason::AllApplied,
         Reason::NotAllowedInMode,
         Reason::SysctlsNotApplied,
@@ -156,6 +172,11 @@ impl Reason {
             Reason::ShardsNotReady => "ShardsNotReady",
             Reason::RollingOut => "RollingOut",
             Reason::RolloutComplete => "RolloutComplete",
+            Reason::PodSecurityForbidden => "PodSecurityForbidden",
+            Reason::QuotaExceeded => "QuotaExceeded",
+            Reason::PodCreationFailed => "PodCreationFailed",
+            Reason::ImagePullFailed => "ImagePullFailed",
+            Reason::ProgressDeadlineExceeded => "ProgressDeadlineExceeded",
             Reason::AllApplied => "AllApplied",
             Reason::NotAllowedInMode => "NotAllowedInMode",
             Reason::SysctlsNotApplied => "SysctlsNotApplied",
@@ -187,6 +208,8 @@ pub enum EventAction {
     Plan,
     /// Reconciling (API calls).
     Reconcile,
+    /// Rolling out the fleet's pods (the workload's own failures).
+    Rollout,
     /// Reading live metrics.
     ReadMetrics,
     /// Scaling or rebalancing.
@@ -199,6 +222,7 @@ impl EventAction {
         match self {
             EventAction::Plan => "Plan",
             EventAction::Reconcile => "Reconcile",
+            EventAction::Rollout => "Rollout",
             EventAction::ReadMetrics => "ReadMetrics",
             EventAction::Autoscale => "Autoscale",
         }

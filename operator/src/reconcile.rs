@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! observe (client) → plan (pure) → metrics loop (client) → render (pure)
-//!   → apply (client) → report (client)
+//!   → apply (client) → observe the workload (client) → report (client)
 //! ```
 //!
 //! [`reconcile`] is the driver, one line per step. The I/O of each step
@@ -35,6 +35,7 @@ use crate::names::FIELD_MANAGER;
 use crate::plan::{self, NodeFacts, PlanError};
 use crate::reason::Reason;
 use crate::render;
+use crate::status::{self, WorkloadFailure};
 
 /// Longest retry backoff after repeated errors.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
@@ -301,6 +302,8 @@ pub enum Ended {
         looped: autoscale::Outcome,
         /// The fleet's Deployment as stored after the apply.
         deployment: Deployment,
+        /// Why its pods cannot run, when the workload says so.
+        failure: Option<WorkloadFailure>,
     },
 }
 
@@ -326,7 +329,8 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     report::report(&ctx, &fleet, ended, &now).await
 }
 
-/// observe → plan → metrics loop → render → apply; `Err` ends it early.
+/// observe → plan → metrics loop → render → apply → observe the workload;
+/// `Err` ends it early.
 // `Err` is how the pipeline ended, not a cheap error value (see [`Ended`]).
 #[allow(clippy::result_large_err)]
 async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended> {
@@ -349,14 +353,22 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
     let objects = render::render(fleet, &plan, owner, looped.replicas); // no client required
     let deployment = apply::objects(&ctx.client, &ns, &objects).await; // client required
-    match deployment {
-        Ok(deployment) => Ok(Ended::Applied {
-            plan,
-            looped,
-            deployment,
-        }),
-        Err(error) => Err(self::failed(&plan, Some(looped), error)),
-    }
+    let deployment = match deployment {
+        Ok(deployment) => deployment,
+        Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+    };
+    let workload = observe::workload(&ctx.client, &ns, &name, &deployment).await; // client required
+    let workload = match workload {
+        Ok(workload) => workload,
+        Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+    };
+    let failure = status::workload_failure(&deployment, &workload.replica_sets, &workload.pods); // no client required
+    Ok(Ended::Applied {
+        plan,
+        looped,
+        deployment,
+        failure,
+    })
 }
 
 fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ended {

@@ -2,7 +2,13 @@
 //! reconcile observed, and the events that change announces (pure). Conditions use the standard Kubernetes shape;
 //! `lastTransitionTime` moves only when a condition's status flips, so an
 //! unchanged fleet gets a byte-identical status and no write.
+//!
+//! The workload's own failures (pods refused by admission or quota, images
+//! that cannot be pulled, a stalled rollout) are read from the Deployment,
+//! its ReplicaSets and pods by [`workload_failure`] and become `Degraded`.
 
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::api::sysctl::join_names;
@@ -38,6 +44,199 @@ impl Shards {
     }
 }
 
+/// Why the fleet's pods cannot run as applied, read from its Deployment,
+/// ReplicaSets and pods ([`workload_failure`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkloadFailure {
+    /// Condition reason (PodSecurityForbidden, QuotaExceeded,
+    /// PodCreationFailed, ImagePullFailed, ProgressDeadlineExceeded).
+    pub reason: Reason,
+    /// The object that reports it and its own words, then what to change
+    /// when the operator knows (the hint comes before anything is cut).
+    pub message: String,
+}
+
+/// Longest quote of a Kubernetes message in a [`WorkloadFailure`]: with
+/// the object's name and the hint, the condition stays within an event
+/// note's 1 kB.
+const MAX_QUOTE_BYTES: usize = 600;
+
+/// What to change when PodSecurity refuses the pods.
+pub const POD_SECURITY_HINT: &str = "set spec.sysctls.mode: PodSecurityContext, or label the namespace pod-security.kubernetes.io/enforce=privileged";
+
+const QUOTA_HINT: &str = "raise the namespace's ResourceQuota, or plan fewer or smaller shards (spec.connections, spec.shard.cpus, spec.shard.maxShards)";
+
+const IMAGE_HINT: &str =
+    "check spec.server.image (and spec.sysctls.image) and the namespace's image pull secrets";
+
+/// Container waiting reasons that mean its image cannot be pulled.
+const IMAGE_PULL_REASONS: [&str; 4] = [
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+];
+
+impl WorkloadFailure {
+    fn new(reason: Reason, source: String, quote: &str, hint: Option<&str>) -> Self {
+        let quote = quote.trim().trim_end_matches('.');
+        let quote = if quote.len() > MAX_QUOTE_BYTES {
+            let mut end = MAX_QUOTE_BYTES;
+            while !quote.is_char_boundary(end) {
+                end -= 1;
+            }
+            format!("{}...", &quote[..end])
+        } else {
+            quote.to_string()
+        };
+        let message = match hint {
+            Some(hint) => format!("{source}: {quote}. To fix: {hint}"),
+            None => format!("{source}: {quote}"),
+        };
+        WorkloadFailure { reason, message }
+    }
+
+    /// A `FailedCreate` from `source` (a ReplicaSet or the Deployment),
+    /// classified by the admission or quota error it quotes.
+    fn failed_create(source: String, quote: &str) -> Self {
+        let (reason, hint) = if quote.contains("violates PodSecurity") {
+            (Reason::PodSecurityForbidden, Some(POD_SECURITY_HINT))
+        } else if quote.contains("exceeded quota") {
+            (Reason::QuotaExceeded, Some(QUOTA_HINT))
+        } else {
+            (Reason::PodCreationFailed, None)
+        };
+        WorkloadFailure::new(reason, format!("{source} cannot create pods"), quote, hint)
+    }
+}
+
+/// The first failure of the fleet's workload, most specific first:
+///
+/// 1. a `ReplicaFailure` condition (`FailedCreate`) on one of the
+///    Deployment's ReplicaSets (the newest revision first), else the same
+///    condition as the Deployment mirrors it: the pods cannot be created
+///    (PodSecurity, quota, or other admission errors);
+/// 2. a container of one of `pods` waiting on an image it cannot pull;
+/// 3. the Deployment's `Progressing=False` with `ProgressDeadlineExceeded`.
+///
+/// ReplicaSets another Deployment controls are ignored. `None` while the
+/// workload shows no failure (a rollout under way is not one).
+pub fn workload_failure(
+    deployment: &Deployment,
+    replica_sets: &[ReplicaSet],
+    pods: &[Pod],
+) -> Option<WorkloadFailure> {
+    let uid = deployment.metadata.uid.as_deref();
+    let revision = |rs: &ReplicaSet| {
+        rs.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("deployment.kubernetes.io/revision"))
+            .and_then(|r| r.parse::<i64>().ok())
+            .unwrap_or(0)
+    };
+    let mut owned: Vec<&ReplicaSet> = replica_sets
+        .iter()
+        .filter(|rs| {
+            uid.is_some()
+                && rs
+                    .metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.controller == Some(true) && Some(o.uid.as_str()) == uid)
+        })
+        .collect();
+    owned.sort_by_key(|rs| (std::cmp::Reverse(revision(rs)), rs.metadata.name.clone()));
+    let replica_failure = owned.iter().find_map(|rs| {
+        let c = rs
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
+        (c.reason.as_deref() == Some("FailedCreate")).then(|| {
+            let name = rs.metadata.name.as_deref().unwrap_or_default();
+            WorkloadFailure::failed_create(
+                format!("ReplicaSet {name}"),
+                c.message.as_deref().unwrap_or_default(),
+            )
+        })
+    });
+    let deployment_conditions = || {
+        deployment
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+    };
+    let name = deployment.metadata.name.as_deref().unwrap_or_default();
+    let mirrored = || {
+        deployment_conditions()
+            .find(|c| {
+                c.type_ == "ReplicaFailure"
+                    && c.status == "True"
+                    && c.reason.as_deref() == Some("FailedCreate")
+            })
+            .map(|c| {
+                WorkloadFailure::failed_create(
+                    format!("Deployment {name}"),
+                    c.message.as_deref().unwrap_or_default(),
+                )
+            })
+    };
+    let image = || {
+        let mut pods: Vec<&Pod> = pods.iter().collect();
+        pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        pods.into_iter().find_map(|pod| {
+            let st = pod.status.as_ref()?;
+            st.init_container_statuses
+                .iter()
+                .flatten()
+                .chain(st.container_statuses.iter().flatten())
+                .find_map(|c| {
+                    let waiting = c.state.as_ref()?.waiting.as_ref()?;
+                    let reason = waiting.reason.as_deref()?;
+                    IMAGE_PULL_REASONS.contains(&reason).then(|| {
+                        let pod = pod.metadata.name.as_deref().unwrap_or_default();
+                        let detail = waiting.message.as_deref().unwrap_or_default();
+                        WorkloadFailure::new(
+                            Reason::ImagePullFailed,
+                            format!(
+                                "pod {pod}: container {} cannot pull image {:?}",
+                                c.name, c.image
+                            ),
+                            &format!("{reason}: {detail}"),
+                            Some(IMAGE_HINT),
+                        )
+                    })
+                })
+        })
+    };
+    let stalled = || {
+        deployment_conditions()
+            .find(|c| {
+                c.type_ == "Progressing"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("ProgressDeadlineExceeded")
+            })
+            .map(|c| {
+                WorkloadFailure::new(
+                    Reason::ProgressDeadlineExceeded,
+                    format!("Deployment {name} made no progress"),
+                    c.message.as_deref().unwrap_or_default(),
+                    None,
+                )
+            })
+    };
+    replica_failure
+        .or_else(mirrored)
+        .or_else(image)
+        .or_else(stalled)
+}
+
 /// What one reconcile found.
 #[derive(Clone, Debug)]
 pub enum Outcome {
@@ -54,6 +253,8 @@ pub enum Outcome {
         plan: Plan,
         /// Shard counts of the Deployment.
         shards: Shards,
+        /// Why its pods cannot run, when the workload says so.
+        failure: Option<WorkloadFailure>,
     },
     /// An API call failed (listing nodes, applying objects); retried with backoff.
     Failed {
@@ -105,7 +306,11 @@ pub fn next_status(
             set(PROGRESSING, false, *reason, "retrying with backoff".into());
             set(DEGRADED, true, *reason, message.clone());
         }
-        Outcome::Applied { plan, shards } => {
+        Outcome::Applied {
+            plan,
+            shards,
+            failure,
+        } => {
             let done = shards.rolled_out();
             let counts = format!(
                 "{}/{} shards ready, {} updated",
@@ -118,7 +323,7 @@ pub fn next_status(
                     Reason::ShardsReady,
                     format!(
                         "{counts}; the fleet holds up to {} connections",
-                        shards.desired as i64 * plan.sized_connections_per_shard
+                        i64::from(shards.desired).saturating_mul(plan.sized_connections_per_shard)
                     ),
                 );
                 set(PROGRESSING, false, Reason::RolloutComplete, counts);
@@ -126,7 +331,9 @@ pub fn next_status(
                 set(READY, false, Reason::ShardsNotReady, counts.clone());
                 set(PROGRESSING, true, Reason::RollingOut, counts);
             }
-            if plan.limiting_factor == LimitingFactor::MaxShards {
+            if let Some(failure) = failure {
+                set(DEGRADED, true, failure.reason, failure.message.clone());
+            } else if plan.limiting_factor == LimitingFactor::MaxShards {
                 set(
                     DEGRADED,
                     true,
@@ -227,8 +434,9 @@ pub fn apply_loop(
 /// - the metrics loop's events, as decided;
 /// - `Degraded=True` newly set: a Warning. For a rejected spec or a failed
 ///   API call any change of the condition counts (a new error is news); for
-///   an applied plan (maxShards) only a change of status or reason, so a
-///   changed connection count does not repeat it;
+///   an applied plan (maxShards, or the workload's failure) only a change of
+///   status or reason, so a changed connection count or a new pod name in a
+///   refusal does not repeat it;
 /// - a new plan: `PlanChanged`;
 /// - `SysctlsApplied` flipping while sysctls are left out: `SysctlsNotApplied`.
 ///
@@ -260,9 +468,13 @@ pub fn announcements(
         && let Some(reason) = reason_of(d)
     {
         let (changed, action) = match outcome {
-            Outcome::Applied { .. } => (
+            Outcome::Applied { failure, .. } => (
                 before(DEGRADED).map(|p| (&p.status, &p.reason)) != Some((&d.status, &d.reason)),
-                EventAction::Plan,
+                if failure.is_some() {
+                    EventAction::Rollout
+                } else {
+                    EventAction::Plan
+                },
             ),
             Outcome::Rejected { .. } => (before(DEGRADED) != Some(d), EventAction::Plan),
             Outcome::Failed { .. } => (before(DEGRADED) != Some(d), EventAction::Reconcile),
@@ -382,6 +594,7 @@ mod tests {
                 total: p.shards,
                 observed: true,
             },
+            failure: None,
         };
         let s1 = next_status(None, 1, 1000000, &rolling, &t(10));
         assert_eq!(condition(&s1, READY).unwrap().status, "False");
@@ -395,6 +608,7 @@ mod tests {
                 total: p.shards,
                 observed: true,
             },
+            failure: None,
         };
         let s2 = next_status(Some(&s1), 1, 1000000, &done, &t(20));
         let ready = condition(&s2, READY).unwrap();
@@ -426,6 +640,7 @@ mod tests {
                 total: p.shards,
                 observed: true,
             },
+            failure: None,
         };
         let s1 = next_status(None, 1, 1, &done, &t(1));
         let bad = Outcome::Rejected {
@@ -465,6 +680,7 @@ mod tests {
                 total: p.shards,
                 observed: true,
             },
+            failure: None,
         }
     }
 
@@ -724,5 +940,351 @@ mod tests {
         let ok = rolled_out(&a_plan());
         let s = next_status(None, 1, 1_000_000, &ok, &t(1));
         assert!(warnings(&announcements(None, &s, &ok, &[])).is_empty());
+    }
+
+    // ------------------------------------------------ the workload's failures
+
+    const DEPLOYMENT_UID: &str = "d-uid";
+
+    fn deployment(conditions: serde_json::Value) -> Deployment {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "edge", "namespace": "prod", "uid": DEPLOYMENT_UID},
+            "status": {"replicas": 0, "conditions": conditions}
+        }))
+        .unwrap()
+    }
+
+    fn replica_set(
+        name: &str,
+        owner: &str,
+        revision: &str,
+        conditions: serde_json::Value,
+    ) -> ReplicaSet {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": name,
+                "namespace": "prod",
+                "annotations": {"deployment.kubernetes.io/revision": revision},
+                "ownerReferences": [{
+                    "apiVersion": "apps/v1", "kind": "Deployment", "name": "edge",
+                    "uid": owner, "controller": true
+                }]
+            },
+            "spec": {"selector": {}},
+            "status": {"replicas": 0, "conditions": conditions}
+        }))
+        .unwrap()
+    }
+
+    fn failed_create(message: &str) -> serde_json::Value {
+        serde_json::json!([{
+            "type": "ReplicaFailure", "status": "True",
+            "reason": "FailedCreate", "message": message
+        }])
+    }
+
+    /// What the ReplicaSet controller records when a baseline namespace
+    /// refuses the InitContainer mode's privileged init container.
+    const POD_SECURITY_REFUSAL: &str = r#"pods "edge-5d8f7c9b4-x2k9q" is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostPID=false), hostPath volumes (volume "host-proc"), privileged (container "sysctls" must not set securityContext.privileged=true)"#;
+
+    fn not_ready(p: &Plan, failure: Option<WorkloadFailure>) -> Outcome {
+        Outcome::Applied {
+            plan: p.clone(),
+            shards: Shards {
+                desired: p.shards,
+                ready: 0,
+                updated: 0,
+                total: 0,
+                observed: true,
+            },
+            failure,
+        }
+    }
+
+    #[test]
+    fn a_pod_security_refusal_is_degraded_with_the_hint_and_warned_once() {
+        let rs = replica_set(
+            "edge-5d8f7c9b4",
+            DEPLOYMENT_UID,
+            "1",
+            failed_create(POD_SECURITY_REFUSAL),
+        );
+        let failure = workload_failure(&deployment(serde_json::json!([])), &[rs], &[]).unwrap();
+        assert_eq!(failure.reason, Reason::PodSecurityForbidden);
+        assert!(
+            failure.message.starts_with("ReplicaSet edge-5d8f7c9b4 cannot create pods: pods \"edge-5d8f7c9b4-x2k9q\" is forbidden: violates PodSecurity"),
+            "{}",
+            failure.message
+        );
+        assert!(
+            failure
+                .message
+                .ends_with(&format!("To fix: {POD_SECURITY_HINT}")),
+            "{}",
+            failure.message
+        );
+
+        let p = a_plan();
+        let s0 = next_status(None, 1, 1_000_000, &not_ready(&p, None), &t(1));
+        let refused = not_ready(&p, Some(failure.clone()));
+        let s1 = next_status(Some(&s0), 1, 1_000_000, &refused, &t(2));
+        let d = condition(&s1, DEGRADED).unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str(), d.message.as_str()),
+            ("True", "PodSecurityForbidden", failure.message.as_str())
+        );
+        // The shard counts stay as the Deployment reports them.
+        let ready = condition(&s1, READY).unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "ShardsNotReady")
+        );
+        assert_eq!(
+            ready.message,
+            format!("0/{} shards ready, 0 updated", p.shards)
+        );
+        assert_eq!(
+            announcements(Some(&s0), &s1, &refused, &[]),
+            vec![Announcement::warning(
+                Reason::PodSecurityForbidden,
+                EventAction::Rollout,
+                failure.message.clone()
+            )]
+        );
+        // The same refusal for a new pod name (a new ReplicaSet): no second Warning.
+        let again = workload_failure(
+            &deployment(serde_json::json!([])),
+            &[replica_set(
+                "edge-77c4d",
+                DEPLOYMENT_UID,
+                "2",
+                failed_create(&POD_SECURITY_REFUSAL.replace("5d8f7c9b4-x2k9q", "77c4d-abcde")),
+            )],
+            &[],
+        );
+        let refused_again = not_ready(&p, again);
+        let s2 = next_status(Some(&s1), 2, 1_000_000, &refused_again, &t(3));
+        assert_ne!(condition(&s2, DEGRADED).unwrap().message, d.message);
+        assert_eq!(condition(&s2, DEGRADED).unwrap().last_transition_time, t(2));
+        assert_eq!(announcements(Some(&s1), &s2, &refused_again, &[]), vec![]);
+        // Fixed: Degraded clears, without a Warning.
+        let fixed = not_ready(&p, None);
+        let s3 = next_status(Some(&s2), 3, 1_000_000, &fixed, &t(4));
+        let d = condition(&s3, DEGRADED).unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("False", "AsPlanned")
+        );
+        assert!(warnings(&announcements(Some(&s2), &s3, &fixed, &[])).is_empty());
+    }
+
+    #[test]
+    fn failed_creates_are_classified_by_what_refused_them() {
+        let d = deployment(serde_json::json!([]));
+        let case = |message: &str| {
+            workload_failure(
+                &d,
+                &[replica_set(
+                    "edge-1",
+                    DEPLOYMENT_UID,
+                    "1",
+                    failed_create(message),
+                )],
+                &[],
+            )
+            .unwrap()
+        };
+        let quota = case(
+            r#"pods "edge-1-abc" is forbidden: exceeded quota: shards, requested: limits.cpu=8, used: limits.cpu=16, limited: limits.cpu=16"#,
+        );
+        assert_eq!(quota.reason, Reason::QuotaExceeded);
+        assert!(
+            quota.message.contains("exceeded quota: shards")
+                && quota.message.contains("ResourceQuota"),
+            "{}",
+            quota.message
+        );
+        let other = case(
+            r#"pods "edge-1-abc" is forbidden: error looking up service account prod/edge: serviceaccount "edge" not found"#,
+        );
+        assert_eq!(other.reason, Reason::PodCreationFailed);
+        assert_eq!(
+            other.message,
+            r#"ReplicaSet edge-1 cannot create pods: pods "edge-1-abc" is forbidden: error looking up service account prod/edge: serviceaccount "edge" not found"#
+        );
+        // A FailedDelete is not a failure to run; no condition: no failure.
+        let deleting = serde_json::json!([{"type": "ReplicaFailure", "status": "True", "reason": "FailedDelete", "message": "x"}]);
+        assert_eq!(
+            workload_failure(
+                &d,
+                &[replica_set("edge-1", DEPLOYMENT_UID, "1", deleting)],
+                &[]
+            ),
+            None
+        );
+        assert_eq!(
+            workload_failure(
+                &d,
+                &[replica_set(
+                    "edge-1",
+                    DEPLOYMENT_UID,
+                    "1",
+                    serde_json::json!([])
+                )],
+                &[]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn only_the_deployments_own_replica_sets_count_newest_first() {
+        let d = deployment(serde_json::json!([]));
+        let foreign = replica_set(
+            "other-1",
+            "someone-else",
+            "9",
+            failed_create(POD_SECURITY_REFUSAL),
+        );
+        assert_eq!(
+            workload_failure(&d, std::slice::from_ref(&foreign), &[]),
+            None
+        );
+        let old = replica_set(
+            "edge-old",
+            DEPLOYMENT_UID,
+            "1",
+            failed_create(r#"pods "edge-old-a" is forbidden: exceeded quota: q"#),
+        );
+        let new = replica_set(
+            "edge-new",
+            DEPLOYMENT_UID,
+            "2",
+            failed_create(POD_SECURITY_REFUSAL),
+        );
+        let f = workload_failure(&d, &[old, foreign, new], &[]).unwrap();
+        assert_eq!(f.reason, Reason::PodSecurityForbidden);
+        assert!(
+            f.message.starts_with("ReplicaSet edge-new "),
+            "{}",
+            f.message
+        );
+        // The Deployment's mirror of the condition counts when no ReplicaSet shows it.
+        let mirrored = deployment(failed_create(
+            r#"pods "edge-x" is forbidden: exceeded quota: q"#,
+        ));
+        let f = workload_failure(&mirrored, &[], &[]).unwrap();
+        assert_eq!(f.reason, Reason::QuotaExceeded);
+        assert!(
+            f.message
+                .starts_with("Deployment edge cannot create pods: "),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn image_pull_errors_and_a_stalled_rollout_come_after_refusals() {
+        let pod = |name: &str, reason: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name},
+                "status": {"containerStatuses": [{
+                    "name": "server", "image": "example.com/nope:1", "imageID": "",
+                    "ready": false, "restartCount": 0,
+                    "state": {"waiting": {"reason": reason, "message": "Back-off pulling image \"example.com/nope:1\""}}
+                }]}
+            }))
+            .unwrap()
+        };
+        let stalled = deployment(serde_json::json!([{
+            "type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+            "message": "ReplicaSet \"edge-1\" has timed out progressing."
+        }]));
+        let pods = [
+            pod("edge-1-b", "ContainerCreating"),
+            pod("edge-1-a", "ImagePullBackOff"),
+        ];
+        let f = workload_failure(&stalled, &[], &pods).unwrap();
+        assert_eq!(f.reason, Reason::ImagePullFailed);
+        assert_eq!(
+            f.message,
+            format!(
+                "pod edge-1-a: container server cannot pull image \"example.com/nope:1\": ImagePullBackOff: Back-off pulling image \"example.com/nope:1\". To fix: {IMAGE_HINT}"
+            )
+        );
+        let f = workload_failure(&stalled, &[], &pods[..1]).unwrap();
+        assert_eq!(
+            (f.reason, f.message.as_str()),
+            (
+                Reason::ProgressDeadlineExceeded,
+                "Deployment edge made no progress: ReplicaSet \"edge-1\" has timed out progressing"
+            )
+        );
+        let refused = replica_set(
+            "edge-1",
+            DEPLOYMENT_UID,
+            "1",
+            failed_create(POD_SECURITY_REFUSAL),
+        );
+        assert_eq!(
+            workload_failure(&stalled, &[refused], &pods)
+                .unwrap()
+                .reason,
+            Reason::PodSecurityForbidden
+        );
+        assert_eq!(
+            workload_failure(&deployment(serde_json::json!([])), &[], &pods[..1]),
+            None
+        );
+    }
+
+    #[test]
+    fn a_long_refusal_keeps_its_hint() {
+        let long = format!(
+            "{POD_SECURITY_REFUSAL}, {}",
+            "seccompProfile (pod must not set it to Unconfined), ".repeat(40)
+        );
+        let rs = replica_set("edge-1", DEPLOYMENT_UID, "1", failed_create(&long));
+        let f = workload_failure(&deployment(serde_json::json!([])), &[rs], &[]).unwrap();
+        assert!(f.message.len() < 900, "{}", f.message.len());
+        assert!(f.message.ends_with(POD_SECURITY_HINT), "{}", f.message);
+        assert!(f.message.contains("violates PodSecurity"));
+    }
+
+    #[test]
+    fn a_workload_failure_outranks_max_shards() {
+        let p = plan_for(serde_json::json!({"connections": 10_000_000, "shard": {"maxShards": 1}}));
+        assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
+        let failure =
+            WorkloadFailure::failed_create("ReplicaSet edge-1".into(), POD_SECURITY_REFUSAL);
+        let s = next_status(None, 1, 10_000_000, &not_ready(&p, Some(failure)), &t(1));
+        assert_eq!(
+            condition(&s, DEGRADED).unwrap().reason,
+            "PodSecurityForbidden"
+        );
+        let s = next_status(Some(&s), 1, 10_000_000, &not_ready(&p, None), &t(2));
+        let d = condition(&s, DEGRADED).unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "MaxShardsReached")
+        );
+    }
+
+    /// Server-side apply turns `sysctls: {}` replacing a non-empty map into
+    /// null, which the schema refuses: the status write of an epoll fleet
+    /// switched to PodSecurityContext mode failed on every reconcile. A plan
+    /// applying no sysctl leaves the field out, and reads back the same.
+    #[test]
+    fn a_plan_applying_no_sysctl_omits_the_field() {
+        let p = plan_for(serde_json::json!({
+            "connections": 1_000_000,
+            "sysctls": {"mode": "PodSecurityContext"}
+        }));
+        assert!(p.sysctls.is_empty(), "{:?}", p.sysctls);
+        let json = serde_json::to_value(&p).unwrap();
+        assert!(json.get("sysctls").is_none(), "{json}");
+        assert_eq!(serde_json::from_value::<Plan>(json).unwrap(), p);
+        let with = a_plan();
+        assert!(serde_json::to_value(&with).unwrap()["sysctls"].is_object());
     }
 }

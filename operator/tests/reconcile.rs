@@ -16,6 +16,7 @@ use std::time::Duration;
 use apiserver::{ApiServer, Call, Reply};
 use c10m_operator::api::ConnectionFleet;
 use c10m_operator::reason::Reason;
+use c10m_operator::reconcile::report::ROLLOUT_RECHECK;
 use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
 use c10m_operator::telemetry::Metrics;
 use http::Method;
@@ -36,6 +37,11 @@ const PDB: &str = "/apis/policy/v1/namespaces/prod/poddisruptionbudgets/edge";
 const SECRETS: &str = "/api/v1/namespaces/prod/secrets";
 const SECRET: &str = "/api/v1/namespaces/prod/secrets/edge-admin";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/prod/events";
+const REPLICA_SETS: &str = "/apis/apps/v1/namespaces/prod/replicasets";
+const PODS: &str = "/api/v1/namespaces/prod/pods";
+/// Collections the operator lists; a GET of one answers the stored objects under it.
+const COLLECTIONS: [&str; 2] = [REPLICA_SETS, PODS];
+const DEPLOYMENT_UID: &str = "0d0d0d0d-0000-4000-8000-00000000000d";
 
 /// A fleet as the API server stores it (uid, generation, namespace).
 fn fleet(spec: Value) -> ConnectionFleet {
@@ -88,6 +94,21 @@ impl Cluster {
         let path = call.path().to_string();
         let body = call.body.clone().unwrap_or(Value::Null);
         match call.method {
+            Method::GET if COLLECTIONS.contains(&path.as_str()) => {
+                let prefix = format!("{path}/");
+                let items: Vec<&Value> = self
+                    .objects
+                    .iter()
+                    .filter(|(p, _)| p.starts_with(&prefix))
+                    .map(|(_, o)| o)
+                    .collect();
+                Reply::ok(json!({
+                    "apiVersion": "v1",
+                    "kind": "List",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": items,
+                }))
+            }
             Method::GET => match self.objects.get(&path) {
                 Some(obj) => Reply::ok(obj),
                 None => Reply::not_found(call),
@@ -111,6 +132,7 @@ impl Cluster {
                     let replicas = obj["spec"]["replicas"].as_i64().unwrap_or(1);
                     let ready = if self.ready { replicas } else { 0 };
                     obj["metadata"]["generation"] = json!(1);
+                    obj["metadata"]["uid"] = json!(DEPLOYMENT_UID);
                     obj["status"] = json!({
                         "observedGeneration": 1,
                         "replicas": replicas,
@@ -535,6 +557,103 @@ async fn an_apply_error_is_reported_once_and_retried_with_growing_backoff() {
         .collect();
     assert_eq!(event_writes.len(), 1);
     assert_eq!(event_writes[0].method, Method::PATCH);
+}
+
+/// A ReplicaSet of the fleet's Deployment whose pods PodSecurity refuses,
+/// as the ReplicaSet controller records it.
+fn refused_replica_set() -> Value {
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {
+            "name": "edge-5d8f7c9b4",
+            "namespace": NS,
+            "labels": {"c10m.dev/fleet": NAME},
+            "annotations": {"deployment.kubernetes.io/revision": "1"},
+            "ownerReferences": [{
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": NAME,
+                "uid": DEPLOYMENT_UID,
+                "controller": true
+            }]
+        },
+        "spec": {"selector": {"matchLabels": {"c10m.dev/fleet": NAME}}},
+        "status": {
+            "replicas": 0,
+            "conditions": [{
+                "type": "ReplicaFailure",
+                "status": "True",
+                "reason": "FailedCreate",
+                "message": "pods \"edge-5d8f7c9b4-x2k9q\" is forbidden: violates PodSecurity \"baseline:latest\": hostPath volumes (volume \"host-proc\"), privileged (container \"sysctls\" must not set securityContext.privileged=true)"
+            }]
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_workload_whose_pods_are_refused_is_degraded_and_warned_once() {
+    let cached = fleet(feasible());
+    let rs_path = format!("{REPLICA_SETS}/edge-5d8f7c9b4");
+    let mut cluster = Cluster::with_fleet(&cached);
+    cluster
+        .objects
+        .insert(rs_path.clone(), refused_replica_set());
+    let h = Harness::start(cluster);
+
+    let action = h.reconcile(&cached).await.expect("not an operator error");
+    assert_eq!(action, Action::requeue(ROLLOUT_RECHECK));
+    let calls = h.api.take();
+    assert!(
+        calls.iter().any(|c| c.is(Method::GET, REPLICA_SETS)
+            && c.query().contains("labelSelector=c10m.dev%2Ffleet%3Dedge")),
+        "ReplicaSets listed by the fleet label: {calls:#?}"
+    );
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    let (status, reason, message) = condition(&written[0], "Degraded");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "PodSecurityForbidden")
+    );
+    assert!(
+        message.starts_with("ReplicaSet edge-5d8f7c9b4 cannot create pods: pods \"edge-5d8f7c9b4-x2k9q\" is forbidden: violates PodSecurity")
+            && message.ends_with("To fix: set spec.sysctls.mode: PodSecurityContext, or label the namespace pod-security.kubernetes.io/enforce=privileged"),
+        "{message}"
+    );
+    assert_eq!(condition(&written[0], "Ready").1, "ShardsNotReady");
+    let warned = warnings(&calls);
+    assert_eq!(warned.len(), 1, "{calls:#?}");
+    assert_warning(
+        &warned[0],
+        Reason::PodSecurityForbidden,
+        "Rollout",
+        &message,
+    );
+
+    // Still refused: nothing new to write or say.
+    h.reconcile(&cached).await.unwrap();
+    let calls = h.api.take();
+    assert_eq!(status_writes(&calls), Vec::<Value>::new(), "{calls:#?}");
+    assert_eq!(events(&calls), Vec::<Value>::new(), "{calls:#?}");
+
+    // The ReplicaSet controller clears the condition once pods are created.
+    {
+        let mut c = h.cluster.lock().unwrap();
+        c.objects.get_mut(&rs_path).unwrap()["status"] = json!({"replicas": 3});
+        c.ready = true;
+    }
+    assert_eq!(h.reconcile(&cached).await.unwrap(), Action::requeue(RESYNC));
+    let calls = h.api.take();
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    assert_eq!(condition(&written[0], "Degraded").1, "AsPlanned");
+    assert_eq!(condition(&written[0], "Ready").0, "True");
+    assert_eq!(warnings(&calls), Vec::<Value>::new());
+    assert!(
+        !calls.iter().any(|c| c.is(Method::GET, PODS)),
+        "pods are listed only while replicas are missing: {calls:#?}"
+    );
 }
 
 #[tokio::test]

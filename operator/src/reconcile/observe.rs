@@ -1,9 +1,10 @@
 //! Observe (client required): what the cluster holds for one fleet: the
 //! stored fleet, the node profile its pods can land on, any object in the
-//! way, and the replicas its Deployment runs now.
+//! way, the replicas its Deployment runs now, and (after the apply) the
+//! ReplicaSets and pods its workload's failures show on.
 
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Secret, Service};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
@@ -11,7 +12,7 @@ use serde::de::DeserializeOwned;
 
 use super::Error;
 use crate::api::ConnectionFleet;
-use crate::names::secret_name;
+use crate::names::{FLEET_LABEL, secret_name};
 use crate::plan::{NodeFacts, PlanError, nodes};
 
 /// The latest stored `fleet`, or `None` when it is gone. The cached copy a
@@ -118,4 +119,52 @@ pub async fn current_replicas(client: &Client, ns: &str, name: &str) -> Result<O
         .await
         .map_err(Error::observe(format!("get Deployment {name}")))?
         .and_then(|d| d.spec.and_then(|s| s.replicas)))
+}
+
+/// The fleet's ReplicaSets and, while its Deployment has fewer ready
+/// replicas than it asks for, its pods: what [`crate::status::workload_failure`]
+/// reads a refusal or an image pull error from.
+#[derive(Clone, Debug, Default)]
+pub struct Workload {
+    /// ReplicaSets labelled with the fleet (the Deployment's, old and new).
+    pub replica_sets: Vec<ReplicaSet>,
+    /// The fleet's pods; empty while every replica is ready.
+    pub pods: Vec<Pod>,
+}
+
+/// Lists the workload of fleet `name`, as the Deployment stored after the
+/// apply stands. ReplicaSets carry the pod template's labels, so the fleet
+/// label selects them without a watch on every ReplicaSet in the cluster.
+pub async fn workload(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    deployment: &Deployment,
+) -> Result<Workload, Error> {
+    let by_fleet = ListParams::default().labels(&format!("{FLEET_LABEL}={name}"));
+    let replica_sets = Api::<ReplicaSet>::namespaced(client.clone(), ns)
+        .list(&by_fleet)
+        .await
+        .map_err(Error::observe(format!("list ReplicaSets of {name}")))?
+        .items;
+    let wanted = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.replicas)
+        .unwrap_or(1);
+    let ready = deployment
+        .status
+        .as_ref()
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0);
+    let pods = if ready < wanted {
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .list(&by_fleet)
+            .await
+            .map_err(Error::observe(format!("list pods of {name}")))?
+            .items
+    } else {
+        Vec::new()
+    };
+    Ok(Workload { replica_sets, pods })
 }

@@ -56,6 +56,7 @@ pub async fn report(
             plan,
             looped,
             deployment,
+            failure,
         } => {
             let st = deployment.status.clone().unwrap_or_default();
             let shards = Shards {
@@ -65,7 +66,15 @@ pub async fn report(
                 total: st.replicas.unwrap_or(0),
                 observed: st.observed_generation >= deployment.metadata.generation,
             };
-            (Outcome::Applied { plan, shards }, Some(looped), None)
+            (
+                Outcome::Applied {
+                    plan,
+                    shards,
+                    failure,
+                },
+                Some(looped),
+                None,
+            )
         }
     };
     let mut next = status::next_status(prev, generation, fleet.spec.connections, &outcome, now);
