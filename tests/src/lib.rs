@@ -82,6 +82,59 @@ pub fn kubectl(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// [`kubectl_with`] that gives up after `timeout`: the process is killed
+/// and `None` returned. Stdout and stderr are read on their own threads, so
+/// a chatty kubectl never blocks on a full pipe.
+pub fn kubectl_within(args: &[&str], stdin: Option<&str>, timeout: Duration) -> Option<Output> {
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl is installed");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    let read = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = r.read_to_end(&mut buf);
+            buf
+        })
+    };
+    let out = read(Box::new(child.stdout.take().unwrap()));
+    let err = read(Box::new(child.stderr.take().unwrap()));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if start.elapsed() >= timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
+    status.map(|status| Output {
+        status,
+        stdout,
+        stderr,
+    })
+}
+
 /// `kubectl apply -f -` of `manifest` in `ns`; returns (success, stdout + stderr).
 pub fn apply(ns: &str, manifest: &str) -> (bool, String) {
     let out = kubectl_with(&["apply", "-n", ns, "-f", "-"], Some(manifest));
@@ -205,6 +258,11 @@ impl Operator {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// `None` while the process runs, else how it ended.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
 }
 
 impl Drop for Operator {
@@ -212,6 +270,53 @@ impl Drop for Operator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The cluster's state directory (`$C10M_STATE`, else the directory of the
+/// kubeconfig the cluster scripts write there): `pids/`, `logs/`, `pki/`.
+pub fn state_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("C10M_STATE") {
+        return PathBuf::from(d);
+    }
+    kubeconfig()
+        .parent()
+        .expect("the kubeconfig lives in the state directory")
+        .to_path_buf()
+}
+
+/// Pid of a control-plane component (`kube-apiserver`, `etcd`, ...) from
+/// `$C10M_STATE/pids/<component>.pid`.
+pub fn component_pid(component: &str) -> u32 {
+    let path = state_dir().join("pids").join(format!("{component}.pid"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{}: {text:?}: {e}", path.display()))
+}
+
+/// CPU time (user + system) process `pid` has used so far, from
+/// `/proc/<pid>/stat`.
+pub fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/stat: {e}"));
+    // Fields after the command (which may hold spaces) in parentheses:
+    // state is field 3, utime 14 and stime 15.
+    let rest = &stat[stat.rfind(')').expect("a stat line") + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    #[allow(unsafe_code)]
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_secs_f64(ticks as f64 / hz as f64)
+}
+
+/// Share of one core process `pid` used over `window` (1.0 = one core busy).
+pub fn cpu_share(pid: u32, window: Duration) -> f64 {
+    let before = cpu_time(pid);
+    let start = Instant::now();
+    std::thread::sleep(window);
+    let used = cpu_time(pid).saturating_sub(before);
+    used.as_secs_f64() / start.elapsed().as_secs_f64()
 }
 
 /// The condition `type_` of an object's status, if present.

@@ -4,7 +4,7 @@
 //! manifests are refused naming the field; deleting the fleet removes what
 //! it owns.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use c10m_e2e::*;
 use serde_json::Value;
@@ -534,4 +534,341 @@ fn objects_the_fleet_does_not_own_are_never_taken_over() {
     kubectl(&["delete", "connectionfleet", "api", "-n", ns, "--wait=true"]);
     std::thread::sleep(Duration::from_secs(2));
     assert!(get_json(ns, "service", "api").is_some());
+}
+
+/// Issue 10, fault 7: in a namespace whose PodSecurity level is `baseline`,
+/// the default InitContainer mode's privileged init container is refused.
+/// The refusal (a ReplicaSet's FailedCreate) becomes Degraded=True with the
+/// admission message and what to change, and one Warning; switching the
+/// fleet to PodSecurityContext mode clears it.
+#[test]
+fn pods_refused_by_pod_security_degrade_the_fleet_with_a_hint_until_fixed() {
+    ensure_crd();
+    let ns = Namespace::create("podsec");
+    let ns = ns.0.as_str();
+    kubectl(&[
+        "label",
+        "namespace",
+        ns,
+        "pod-security.kubernetes.io/enforce=baseline",
+    ]);
+    let op = Operator::start(ns);
+    let applied = Instant::now();
+    let (ok, out) = apply(ns, &fleet_manifest("guarded", 1_000_000, ""));
+    assert!(ok, "{out}");
+    let fleet = wait_for("Degraded PodSecurityForbidden", MINUTE, || {
+        let f = get_json(ns, "connectionfleet", "guarded")?;
+        (condition(&f, "Degraded")?["reason"] == "PodSecurityForbidden").then_some(f)
+    });
+    eprintln!(
+        "Degraded=True PodSecurityForbidden {:.1} s after the apply",
+        applied.elapsed().as_secs_f64()
+    );
+    let degraded = condition(&fleet, "Degraded").unwrap();
+    assert_eq!(degraded["status"], "True");
+    let message = degraded["message"].as_str().unwrap();
+    for part in [
+        "cannot create pods",
+        "violates PodSecurity \"baseline",
+        "spec.sysctls.mode: PodSecurityContext",
+        "pod-security.kubernetes.io/enforce=privileged",
+    ] {
+        assert!(message.contains(part), "{part:?} missing: {message}");
+    }
+    // The shard counts say what the Deployment says.
+    let ready = condition(&fleet, "Ready").unwrap();
+    assert_eq!(ready["status"], "False");
+    assert!(
+        ready["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("0/3 shards ready"),
+        "{ready}"
+    );
+    let warned = || {
+        events_for(ns, "guarded")
+            .into_iter()
+            .filter(|(t, r, _)| t == "Warning" && r == "PodSecurityForbidden")
+            .collect::<Vec<_>>()
+    };
+    let first = wait_for("PodSecurityForbidden Warning event", MINUTE, || {
+        warned().into_iter().next()
+    });
+    assert!(first.2.contains("PodSecurity"), "{first:?}");
+    // Once per change: later reconciles (the 15 s rollout recheck, status
+    // writes) do not repeat it, not even as a series.
+    std::thread::sleep(Duration::from_secs(20));
+    let events: Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "events.events.k8s.io",
+        "-n",
+        ns,
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let ours: Vec<&Value> = events["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["regarding"]["name"] == "guarded" && e["reason"] == "PodSecurityForbidden")
+        .collect();
+    assert_eq!(ours.len(), 1, "{ours:#?}");
+    assert!(ours[0]["series"].is_null(), "repeated: {}", ours[0]);
+    assert_eq!(
+        condition(
+            &get_json(ns, "connectionfleet", "guarded").unwrap(),
+            "Degraded"
+        )
+        .unwrap()["lastTransitionTime"],
+        degraded["lastTransitionTime"]
+    );
+
+    // The fix the hint names: pods without the privileged init container pass.
+    let switched = Instant::now();
+    let (ok, out) = apply(
+        ns,
+        &fleet_manifest(
+            "guarded",
+            1_000_000,
+            "  sysctls:\n    mode: PodSecurityContext\n",
+        ),
+    );
+    assert!(ok, "{out}");
+    let fleet = wait_ready(ns, "guarded");
+    eprintln!(
+        "Ready, Degraded cleared {:.1} s after switching to PodSecurityContext",
+        switched.elapsed().as_secs_f64()
+    );
+    let degraded = condition(&fleet, "Degraded").unwrap();
+    assert_eq!(
+        (&degraded["status"], &degraded["reason"]),
+        (&Value::from("False"), &Value::from("AsPlanned")),
+        "{degraded}"
+    );
+    assert_eq!(warned().len(), 1, "no new Warning on recovery");
+    assert!(!op.log_text().contains("panicked"), "{}", op.log_text());
+}
+
+/// Issue 10, fault 11: `node.memory` strings the old quantity pattern
+/// admitted pinned a kube-apiserver core in CEL's quantity parser. Each is
+/// now refused at once by a server-side dry run, naming the field, and the
+/// apiserver goes back to idle; a valid quantity still passes.
+#[test]
+fn huge_quantities_are_refused_quickly_and_leave_the_apiserver_idle() {
+    ensure_crd();
+    // The CRD the apiserver serves (its CEL cost accepted) bounds the string
+    // before any quantity function sees it.
+    let crd: Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "crd",
+        "connectionfleets.c10m.dev",
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let node = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["node"];
+    let rule = node["x-kubernetes-validations"][0]["rule"]
+        .as_str()
+        .unwrap();
+    let (bounds, parse) = (
+        rule.find("size(self.memory) <= 32").expect(rule),
+        rule.find("isQuantity").expect(rule),
+    );
+    assert!(
+        bounds < parse && rule.find(".matches(").unwrap() < parse,
+        "{rule}"
+    );
+    assert_eq!(node["properties"]["memory"]["maxLength"], 32);
+
+    let ns = Namespace::create("quantity");
+    let ns = ns.0.as_str();
+    let manifest = |memory: &str| {
+        format!(
+            "apiVersion: c10m.dev/v1alpha1\nkind: ConnectionFleet\nmetadata:\n  name: huge\nspec:\n  connections: 1000\n  node:\n    memory: {memory}\n    cpus: 64\n"
+        )
+    };
+    let dry_run = |memory: &str| {
+        let started = Instant::now();
+        let out = kubectl_within(
+            &[
+                "apply",
+                "--dry-run=server",
+                "--request-timeout=10s",
+                "-n",
+                ns,
+                "-f",
+                "-",
+            ],
+            Some(&manifest(memory)),
+            Duration::from_secs(15),
+        )
+        .unwrap_or_else(|| panic!("node.memory {memory}: no answer within 15 s"));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text, started.elapsed())
+    };
+    let apiserver = component_pid("kube-apiserver");
+    for memory in [
+        // The issue's input, and its kin: a 3-digit exponent, 40 characters,
+        // an integer above 1Pi, a 2-digit exponent the pattern admits (parsed,
+        // then refused by the bounds), 21 digits before a binary suffix.
+        "\"2E6024865272343\"",
+        "\"1e100\"",
+        "\"1234567890123456789012345678901234567890\"",
+        "1125899906842625",
+        "\"9.99999999999999999999e99\"",
+        "\"999999999999999999999Ei\"",
+    ] {
+        let (ok, text, took) = dry_run(memory);
+        eprintln!("node.memory {memory}: refused in {took:?}");
+        assert!(!ok, "node.memory {memory} accepted:\n{text}");
+        assert!(
+            text.contains("spec.node.memory"),
+            "node.memory {memory}: error does not name spec.node.memory:\n{text}"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "node.memory {memory}: {took:?}"
+        );
+    }
+    let (ok, text, took) = dry_run("\"256Gi\"");
+    assert!(ok, "256Gi refused:\n{text}");
+    eprintln!("node.memory 256Gi: accepted in {took:?}");
+    // Nothing was created.
+    assert!(get_json(ns, "connectionfleet", "huge").is_none());
+
+    // Back to idle: a pinned core shows in every window; other tests share
+    // this apiserver, so the quietest of a few 2 s windows is what counts.
+    let mut shares = Vec::new();
+    for _ in 0..5 {
+        let share = cpu_share(apiserver, Duration::from_secs(2));
+        shares.push(share);
+        if share < 0.5 {
+            break;
+        }
+    }
+    eprintln!("kube-apiserver CPU after the dry runs, per 2 s window: {shares:.3?} of one core");
+    let quietest = shares.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(
+        quietest < 0.5,
+        "kube-apiserver stays busy after the dry runs: {shares:?} of one core"
+    );
+}
+
+/// Issue 10, fault 8: a fleet's admin Secret without its `token` key made
+/// the operator recurse until its stack overflowed, for every fleet. Now it
+/// is a condition on that fleet; the operator lives and keeps reconciling
+/// the others; deleting the Secret (as the message says) recovers.
+#[test]
+fn a_broken_admin_secret_degrades_its_fleet_only() {
+    ensure_crd();
+    let ns = Namespace::create("secret");
+    let ns = ns.0.as_str();
+    let mut op = Operator::start(ns);
+    for name in ["alpha", "beta"] {
+        let (ok, out) = apply(ns, &fleet_manifest(name, 1_000_000, ""));
+        assert!(ok, "{out}");
+    }
+    wait_ready(ns, "alpha");
+    let beta = wait_ready(ns, "beta");
+    let beta_shards = beta["status"]["plan"]["shards"].as_i64().unwrap();
+
+    kubectl(&[
+        "patch",
+        "secret",
+        "alpha-admin",
+        "-n",
+        ns,
+        "--type=json",
+        "-p",
+        r#"[{"op":"remove","path":"/data/token"}]"#,
+    ]);
+    // The operator reads the Secret on every reconcile of its fleet (it
+    // does not watch Secrets: RBAC gives it get and create only); any change
+    // of the fleet, or the periodic resync, brings that reconcile.
+    kubectl(&[
+        "annotate",
+        "connectionfleet",
+        "alpha",
+        "-n",
+        ns,
+        "e2e.c10m.dev/poke=1",
+    ]);
+    let alpha = wait_for("alpha Degraded ReconcileFailed", MINUTE, || {
+        let f = get_json(ns, "connectionfleet", "alpha")?;
+        (condition(&f, "Degraded")?["reason"] == "ReconcileFailed").then_some(f)
+    });
+    let degraded = condition(&alpha, "Degraded").unwrap();
+    assert_eq!(degraded["status"], "True");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("Secret alpha-admin has no usable `token` key"),
+        "{degraded}"
+    );
+    wait_for("ReconcileFailed Warning event", MINUTE, || {
+        events_for(ns, "alpha")
+            .iter()
+            .any(|(t, r, n)| t == "Warning" && r == "ReconcileFailed" && n.contains("alpha-admin"))
+            .then_some(())
+    });
+
+    // The other fleet is still managed: a new connection count is planned.
+    let (ok, out) = apply(ns, &fleet_manifest("beta", 20_000_000, ""));
+    assert!(ok, "{out}");
+    let beta = wait_for("beta re-planned", MINUTE, || {
+        let f = wait_ready(ns, "beta");
+        (f["status"]["plan"]["shards"].as_i64()? > beta_shards).then_some(f)
+    });
+    assert_eq!(condition(&beta, "Degraded").unwrap()["status"], "False");
+    assert_eq!(op.exited(), None, "the operator died:\n{}", op.log_text());
+    let log = op.log_text();
+    assert!(
+        !log.contains("panicked") && !log.contains("overflow"),
+        "{log}"
+    );
+    // No retry loop on the broken fleet: it waits for a change.
+    let failures = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("reconcile failed") && l.contains("alpha"))
+            .count()
+    };
+    let before = failures(&log);
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        failures(&op.log_text()),
+        before,
+        "alpha is retried in a loop"
+    );
+    assert!(before <= 3, "{before} failed reconciles of alpha:\n{log}");
+
+    // Deleting the Secret, as the message says, has a new token generated.
+    kubectl(&["delete", "secret", "alpha-admin", "-n", ns]);
+    kubectl(&[
+        "annotate",
+        "connectionfleet",
+        "alpha",
+        "-n",
+        ns,
+        "--overwrite",
+        "e2e.c10m.dev/poke=2",
+    ]);
+    let alpha = wait_for("alpha recovered", MINUTE, || {
+        let f = get_json(ns, "connectionfleet", "alpha")?;
+        (condition(&f, "Degraded")?["status"] == "False").then_some(f)
+    });
+    assert_eq!(condition(&alpha, "Ready").unwrap()["status"], "True");
+    let secret = get_json(ns, "secret", "alpha-admin").expect("a new Secret");
+    assert!(
+        secret["data"]["token"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+    );
+    assert_eq!(op.exited(), None);
 }
