@@ -37,6 +37,27 @@ pub const GOMEMLIMIT_PERCENT: i64 = 90;
 /// of the drain, the last closes, and exit.
 pub const DRAIN_SLACK_SECONDS: i64 = 20;
 
+/// Seconds a draining shard keeps its listeners open, answering new
+/// connections with a protocol goodbye instead of a refusal, while its
+/// endpoint removal propagates: rendered as `C10M_DRAIN_ACCEPT_SECS`. The
+/// value and where it comes from are [`c10m_wire::drain::ACCEPT_SECS`].
+pub const DRAIN_ACCEPT_SECONDS: i64 = c10m_wire::drain::ACCEPT_SECS as i64;
+
+/// The pod's `terminationGracePeriodSeconds` for a shard holding
+/// `connections` that drains at `rate` per second: the drain time, plus the
+/// accept window ([`DRAIN_ACCEPT_SECONDS`]), plus [`DRAIN_SLACK_SECONDS`].
+///
+/// After SIGTERM the server closes its connections at the rate and, at the
+/// same time, keeps accepting for the window; it exits when both are over,
+/// so it lives at most the longer of the two (the drain is cut at
+/// `C10M_DRAIN_TIMEOUT_SECS`, the drain time plus half the slack; the
+/// window's last goodbyes take at most 2 s more). Adding the window to the
+/// drain time bounds that from above whichever is longer, so the kubelet's
+/// SIGKILL never cuts the window or the drain short.
+pub fn grace_seconds(connections: i64, rate: i64) -> i64 {
+    drain_seconds(connections, rate) + DRAIN_ACCEPT_SECONDS + DRAIN_SLACK_SECONDS
+}
+
 /// Seconds a shard holding `connections` needs to close them at `rate` per second.
 pub fn drain_seconds(connections: i64, rate: i64) -> i64 {
     (connections + rate.max(1) - 1) / rate.max(1)
@@ -104,13 +125,17 @@ pub fn render(
             plan::bundled::PARTIAL_BUDGET_BYTES_PER_WORKER,
         ),
     ];
-    // Drain: close at the fleet's rate on SIGTERM, finishing before the grace period ends.
-    let grace = drain_seconds(plan.shard_connection_limit, spec.drain.rate) + DRAIN_SLACK_SECONDS;
+    // Drain: close at the fleet's rate on SIGTERM, keep accepting (with a
+    // goodbye) for the accept window meanwhile, finishing both before the
+    // grace period ends.
+    let drain = drain_seconds(plan.shard_connection_limit, spec.drain.rate);
+    let grace = grace_seconds(plan.shard_connection_limit, spec.drain.rate);
     env_vars.push(env(wire_env::DRAIN_RATE, spec.drain.rate));
     env_vars.push(env(
         wire_env::DRAIN_TIMEOUT_SECS,
-        grace - DRAIN_SLACK_SECONDS / 2,
+        drain + DRAIN_SLACK_SECONDS / 2,
     ));
+    env_vars.push(env(wire_env::DRAIN_ACCEPT_SECS, DRAIN_ACCEPT_SECONDS));
     env_vars.push(EnvVar {
         name: wire_env::ADMIN_TOKEN.into(),
         value_from: Some(EnvVarSource {
@@ -391,7 +416,7 @@ mod tests {
     };
 
     /// Every `C10M_*` name of the contract, from `c10m_wire::env`.
-    const WIRE_ENV: [&str; 23] = [
+    const WIRE_ENV: [&str; 24] = [
         wire_env::BIND,
         wire_env::PORT,
         wire_env::METRICS_PORT,
@@ -405,6 +430,7 @@ mod tests {
         wire_env::MAX_FRAME_BYTES,
         wire_env::DRAIN_RATE,
         wire_env::DRAIN_TIMEOUT_SECS,
+        wire_env::DRAIN_ACCEPT_SECS,
         wire_env::ADMIN_TOKEN_FILE,
         wire_env::ADMIN_TOKEN,
         wire_env::KEEPALIVE_IDLE_SECS,
@@ -669,11 +695,27 @@ mod tests {
     }
 
     #[test]
+    fn grace_covers_the_drain_and_the_accept_window() {
+        assert_eq!(DRAIN_ACCEPT_SECONDS, 5);
+        assert_eq!(grace_seconds(1000, 100), 10 + 5 + 20);
+        assert_eq!(grace_seconds(0, 1000), 5 + 20);
+        // Whichever of drain and window is longer, the grace period is longer
+        // than the server's life after SIGTERM: max(drain + slack/2, window + 2).
+        for (conns, rate) in [(0, 1000), (1, 1), (100_000, 10), (1_000_000, 100_000)] {
+            let drain_timeout = drain_seconds(conns, rate) + DRAIN_SLACK_SECONDS / 2;
+            let window = DRAIN_ACCEPT_SECONDS + 2;
+            assert!(grace_seconds(conns, rate) > drain_timeout.max(window));
+        }
+    }
+
+    #[test]
     fn grace_period_follows_the_drain_rate() {
         for rate in [1_000i64, 7_000, 100_000] {
             let c = case(json!({"connections": 1_000_000, "drain": {"rate": rate}}));
             let limit = c.plan.shard_connection_limit;
-            let grace = (limit as f64 / rate as f64).ceil() as i64 + 20;
+            let drain = (limit as f64 / rate as f64).ceil() as i64;
+            // Drain time + the 5 s accept window + 20 s of slack.
+            let grace = drain + 5 + 20;
             let p = pod(&c.out);
             assert_eq!(
                 p.termination_grace_period_seconds,
@@ -683,9 +725,10 @@ mod tests {
             let s = server(&c.out);
             assert_eq!(
                 env_value(s, wire_env::DRAIN_TIMEOUT_SECS),
-                Some((grace - 10).to_string().as_str()),
+                Some((drain + 10).to_string().as_str()),
                 "the drain ends before the grace period does"
             );
+            assert_eq!(env_value(s, wire_env::DRAIN_ACCEPT_SECS), Some("5"));
             assert_eq!(
                 env_value(s, wire_env::DRAIN_RATE),
                 Some(rate.to_string().as_str())
@@ -729,6 +772,7 @@ mod tests {
             (wire_env::BACKLOG, p.listen_backlog.to_string()),
             (wire_env::PROTOCOL, "websocket".to_string()),
             (wire_env::DRAIN_RATE, "2500".to_string()),
+            (wire_env::DRAIN_ACCEPT_SECS, "5".to_string()),
         ];
         for (name, value) in expected {
             assert_eq!(env_value(s, name), Some(value.as_str()), "{name}");
@@ -962,7 +1006,12 @@ mod tests {
             assert_eq!(cfg.backlog as i64, p.listen_backlog);
             assert_eq!(cfg.drain_rate, 3000.0);
             let grace = pod(&c.out).termination_grace_period_seconds.unwrap();
-            assert_eq!(cfg.drain_timeout_secs as i64, grace - 10);
+            assert_eq!(cfg.drain_timeout_secs as i64, grace - 10 - 5);
+            assert_eq!(cfg.drain_accept_secs, c10m_wire::drain::ACCEPT_SECS);
+            // The server lives at most the longer of the drain and the
+            // window (+2 s of goodbyes); the grace period outlasts both.
+            let lives = (cfg.drain_timeout_secs).max(cfg.drain_accept_secs + 2) as i64;
+            assert!(lives < grace, "{lives} >= {grace}");
             assert!(cfg.drain_timeout_secs as i64 >= drain_seconds(p.shard_connection_limit, 3000));
             assert_eq!(
                 cfg.admin_token().unwrap().as_deref(),
