@@ -872,3 +872,64 @@ fn a_broken_admin_secret_degrades_its_fleet_only() {
     );
     assert_eq!(op.exited(), None);
 }
+
+/// One fleet's status holding what this operator cannot read (here a
+/// sysctl it does not know, as another version of it or a hand patch
+/// leaves) stopped the operator at start-up: the list of every fleet failed
+/// to deserialize. Now the entry is skipped: the operator starts, manages
+/// both fleets, and does not rewrite the odd one in a loop.
+#[test]
+fn a_status_the_operator_cannot_read_does_not_stop_it() {
+    ensure_crd();
+    let ns = Namespace::create("skew");
+    let ns = ns.0.as_str();
+    let first = Operator::start(ns);
+    for name in ["one", "two"] {
+        let (ok, out) = apply(ns, &fleet_manifest(name, 1_000_000, ""));
+        assert!(ok, "{out}");
+    }
+    wait_ready(ns, "one");
+    let two = wait_ready(ns, "two");
+    let two_shards = two["status"]["plan"]["shards"].as_i64().unwrap();
+    drop(first);
+    kubectl(&[
+        "patch",
+        "connectionfleet",
+        "one",
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"plan":{"sysctls":{"net.ipv4.tcp_fastopen":"3"}}}}"#,
+    ]);
+
+    let mut op = Operator::start(ns);
+    let (ok, out) = apply(ns, &fleet_manifest("two", 20_000_000, ""));
+    assert!(ok, "{out}");
+    wait_for("two re-planned", MINUTE, || {
+        let f = wait_ready(ns, "two");
+        (f["status"]["plan"]["shards"].as_i64()? > two_shards).then_some(())
+    });
+    assert_eq!(
+        op.exited(),
+        None,
+        "the operator stopped:\n{}",
+        op.log_text()
+    );
+    // The odd fleet is read and left as it is: no rewrite loop.
+    let one = get_json(ns, "connectionfleet", "one").unwrap();
+    assert_eq!(condition(&one, "Ready").unwrap()["status"], "True");
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        get_json(ns, "connectionfleet", "one").unwrap()["metadata"]["resourceVersion"],
+        one["metadata"]["resourceVersion"]
+    );
+    let log = op.log_text();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("fleet=one") && l.contains("PlanChanged")),
+        "{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+}

@@ -4,11 +4,12 @@
 //! [`crate::plan`], the status derived in [`crate::status`].
 
 use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use super::sysctl::{Sysctl, Sysctls};
+use super::sysctl::{Sysctl, Sysctls, lenient_sysctl_names, lenient_sysctls};
 
 /// What limits connections per node (and so the node count and cost).
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -102,10 +103,18 @@ pub struct Plan {
     // that replaces a non-empty one into null, which the schema refuses, so
     // the status write of a fleet switched to a mode that applies none
     // (e.g. PodSecurityContext with only unsafe sysctls wanted) failed.
-    #[serde(default, skip_serializing_if = "Sysctls::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Sysctls::is_empty",
+        deserialize_with = "lenient_sysctls"
+    )]
     pub sysctls: Sysctls,
     /// Sysctls the plan wants but the sysctl mode cannot apply.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "lenient_sysctl_names"
+    )]
     pub sysctls_not_applied: Vec<Sysctl>,
     /// Node memory the plan assumed, bytes.
     pub node_memory_bytes: i64,
@@ -120,7 +129,37 @@ pub struct Plan {
     pub monthly_cost: Option<f64>,
 }
 
+/// A derived status field read leniently: a value this operator cannot
+/// read (written by another version of it, e.g. a sysctl it does not know
+/// after a rollback, or by hand through the status subresource) reads as
+/// absent, and the next reconcile derives and writes it again. One fleet's
+/// status must never fail the list of every fleet (the watch, and the
+/// start-up check, read them all at once).
+fn lenient<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: DeserializeOwned,
+{
+    let value = serde_json::Value::deserialize(d)?;
+    Ok(serde_json::from_value(value).ok())
+}
+
+/// [`lenient`] per item: the conditions this operator can read.
+fn lenient_items<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: DeserializeOwned,
+{
+    let items = Option::<Vec<serde_json::Value>>::deserialize(d)?.unwrap_or_default();
+    Ok(items
+        .into_iter()
+        .filter_map(|v| serde_json::from_value(v).ok())
+        .collect())
+}
+
 /// Observed state of a fleet, written only through the status subresource.
+// Its derived parts (conditions, plan, autoscaling, rebalance) are read
+// leniently: what cannot be read is dropped, never an error.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ConnectionFleetStatus {
@@ -130,11 +169,19 @@ pub struct ConnectionFleetStatus {
 
     /// Ready, Progressing, Degraded and SysctlsApplied, in the standard
     /// Kubernetes condition shape.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "lenient_items"
+    )]
     pub conditions: Vec<Condition>,
 
     /// The capacity plan for the current spec.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
     pub plan: Option<Plan>,
 
     /// Shards the fleet should run.
@@ -154,11 +201,19 @@ pub struct ConnectionFleetStatus {
     pub live_connections: i64,
 
     /// The autoscaler's last decision.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
     pub autoscaling: Option<AutoscalingStatus>,
 
     /// The rebalancer's state.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
     pub rebalance: Option<RebalanceStatus>,
 }
 
@@ -186,4 +241,77 @@ pub struct RebalanceStatus {
     /// When shards were last told to shed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_order_time: Option<Time>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ConnectionFleet;
+    use crate::api::sysctl::SysctlValue;
+
+    /// A fleet whose status holds what this operator cannot read: a sysctl
+    /// from another version, a condition without its time, an autoscaling
+    /// state of another shape. Before, `ConnectionFleet` failed to
+    /// deserialize, and with it the list of every fleet: the operator
+    /// stopped at start-up ("cannot list connectionfleets.c10m.dev").
+    #[test]
+    fn a_status_from_another_version_reads_without_its_unreadable_parts() {
+        let fleet = serde_json::json!({
+            "apiVersion": "c10m.dev/v1alpha1",
+            "kind": "ConnectionFleet",
+            "metadata": {"name": "one", "namespace": "prod"},
+            "spec": {"connections": 1000},
+            "status": {
+                "observedGeneration": 3,
+                "readyShards": 2,
+                "conditions": [
+                    {"type": "Ready", "status": "True", "reason": "ShardsReady", "message": "",
+                     "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                    {"type": "Degraded", "status": "False", "reason": "AsPlanned"}
+                ],
+                "plan": {"sysctls": {"net.ipv4.tcp_fastopen": "3"}, "shards": 1},
+                "autoscaling": {"desiredShards": "many"},
+                "rebalance": {"maxToMeanPercent": 120, "shedOrdered": 5}
+            }
+        });
+        let read: ConnectionFleet = serde_json::from_value(fleet).expect("readable");
+        let status = read.status.unwrap();
+        assert_eq!(status.observed_generation, Some(3));
+        assert_eq!(status.ready_shards, 2);
+        assert_eq!(status.plan, None, "a plan missing its fields is dropped");
+        assert_eq!(status.autoscaling, None);
+        assert_eq!(status.rebalance.map(|r| r.shed_ordered), Some(5));
+        let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["Ready"]);
+        // What this operator writes reads back the same.
+        let empty: ConnectionFleetStatus = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert_eq!(empty, ConnectionFleetStatus::default());
+    }
+
+    /// A sysctl this operator does not know (added by hand, or planned by
+    /// another version) is skipped; the rest of the plan stays, so the next
+    /// plan compares equal and nothing is rewritten in a loop.
+    #[test]
+    fn unknown_sysctls_are_skipped_not_the_plan() {
+        let plan = serde_json::json!({
+            "bytesPerConnection": {"kernel": 1, "total": 2, "user": 1},
+            "capacity": 1, "connectionsPerNode": 1, "connectionsPerShard": 1, "cpus": 1,
+            "limitingFactor": "memory", "listenBacklog": 1, "maxConnectionsPerShard": 1,
+            "memoryLimitBytes": 1, "nodeCpus": 1, "nodeMemoryBytes": 1, "nodes": 1,
+            "nofile": 1, "shardConnectionLimit": 1, "shards": 1, "shardsPerNode": 1,
+            "sizedConnectionsPerShard": 1, "workers": 1,
+            "sysctls": {
+                "net.core.somaxconn": "65535",
+                "net.ipv4.tcp_fastopen": "3",
+                "fs.nr_open": "lots"
+            },
+            "sysctlsNotApplied": ["net.ipv4.tcp_migrate_req", "kernel.future"]
+        });
+        let read: Plan = serde_json::from_value(plan).unwrap();
+        assert_eq!(
+            read.sysctls,
+            Sysctls::from([(Sysctl::Somaxconn, SysctlValue::One(65535))])
+        );
+        assert_eq!(read.sysctls_not_applied, [Sysctl::TcpMigrateReq]);
+    }
 }

@@ -205,6 +205,31 @@ impl JsonSchema for SysctlValue {
 /// The sysctls of a plan: name → value, ordered by name.
 pub type Sysctls = BTreeMap<Sysctl, SysctlValue>;
 
+/// Reads a stored plan's sysctls, skipping entries this operator cannot
+/// read (a sysctl another version plans, or one added by hand) instead of
+/// failing the whole fleet. The entries it can read are what it compares
+/// its next plan with, so a foreign entry causes no rewrite.
+pub fn lenient_sysctls<'de, D: Deserializer<'de>>(d: D) -> Result<Sysctls, D::Error> {
+    let entries = Option::<BTreeMap<String, serde_json::Value>>::deserialize(d)?;
+    Ok(entries
+        .into_iter()
+        .flatten()
+        .filter_map(|(name, value)| {
+            Some((Sysctl::from_name(&name)?, value.as_str()?.parse().ok()?))
+        })
+        .collect())
+}
+
+/// [`lenient_sysctls`] for a list of names.
+pub fn lenient_sysctl_names<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Sysctl>, D::Error> {
+    let names = Option::<Vec<serde_json::Value>>::deserialize(d)?;
+    Ok(names
+        .into_iter()
+        .flatten()
+        .filter_map(|n| Sysctl::from_name(n.as_str()?))
+        .collect())
+}
+
 /// `sysctls`' names joined with ", " (for messages and tables).
 pub fn join_names(sysctls: &[Sysctl]) -> String {
     sysctls
