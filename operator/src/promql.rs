@@ -122,7 +122,7 @@ mod tests {
         let out = ok(q);
         let mut e = parser::parse(&out).unwrap();
         fn check(e: &mut Expr, out: &str) {
-            let mut seen = |vs: &VectorSelector| {
+            let seen = |vs: &VectorSelector| {
                 let groups: Vec<&Vec<Matcher>> = if vs.matchers.or_matchers.is_empty() {
                     vec![&vs.matchers.matchers]
                 } else {
