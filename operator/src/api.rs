@@ -583,8 +583,9 @@ impl Default for ShardSpec {
 }
 
 /// How kernel settings are applied.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("!has(self.image)").message(SYSCTL_IMAGE_REFUSED).field_path(".image"))]
 pub struct SysctlSpec {
     /// `InitContainer`: a privileged init container sets the namespaced
     /// sysctls in the pod's network namespace and raises (never lowers)
@@ -600,11 +601,16 @@ pub struct SysctlSpec {
     #[schemars(length(max = 64))]
     pub allowed_unsafe: Vec<String>,
 
-    /// Image of the init container; must carry `c10m-sysctl`. Default: the bundled server image.
+    /// Not allowed (refused at admission): the privileged init container
+    /// runs the image the operator's policy names (sysctlImage), never one a
+    /// fleet chooses. Kept in the schema only so the refusal can name it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
     pub image: Option<String>,
 }
+
+/// The message a fleet setting `spec.sysctls.image` is refused with.
+pub const SYSCTL_IMAGE_REFUSED: &str = "spec.sysctls.image is not allowed: the privileged init container runs the image the operator's policy names (sysctlImage), never one a fleet chooses; remove the field";
 
 impl Default for SysctlSpec {
     fn default() -> Self {
@@ -763,6 +769,7 @@ mod tests {
             "connections bound missing"
         );
         assert!(s.contains("self.maxShards >= self.minShards"));
+        assert!(s.contains("!has(self.image)") && s.contains(SYSCTL_IMAGE_REFUSED));
         assert!(s.contains("self.model != 'custom' || has(self.userBytesPerConnection)"));
         assert!(s.contains(QUANTITY_PATTERN));
         assert!(

@@ -21,6 +21,7 @@ use tracing::info;
 use crate::api::ConnectionFleet;
 use crate::autoscale;
 use crate::names::{FIELD_MANAGER, MANAGED_BY_SELECTOR};
+use crate::policy::Policy;
 use crate::reconcile::{Context, error_policy, reconcile};
 
 /// How `c10m-operator run` runs.
@@ -37,6 +38,8 @@ pub struct RunConfig {
     pub metrics_addr: Option<String>,
     /// Prometheus the metrics loop reads (`None`: autoscaling and rebalancing hold).
     pub prometheus_url: Option<String>,
+    /// The cluster admin's policy (`--policy-file`).
+    pub policy: Policy,
 }
 
 /// Server-side applies the ConnectionFleet CRD (field manager
@@ -130,7 +133,17 @@ pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
         .as_deref()
         .map(autoscale::prometheus::Reader::new)
         .transpose()?;
-    let ctx = Arc::new(Context::new(client, instance, metrics, prometheus));
+    let policy = config.policy;
+    info!(
+        sysctl_image = %policy.sysctl_image,
+        init_container_namespaces = ?policy.init_container_namespaces,
+        reserved_taints = ?policy.reserved_taints,
+        allowed_tolerations = policy.allowed_tolerations.len(),
+        max_termination_grace_period_seconds = policy.max_termination_grace_period_seconds,
+        sysctl_ceilings = ?policy.sysctl_ceilings,
+        "policy"
+    );
+    let ctx = Arc::new(Context::new(client, instance, metrics, prometheus).with_policy(policy));
     let owned = watcher::Config::default().labels(MANAGED_BY_SELECTOR);
     info!(
         namespace = namespace.as_deref().unwrap_or("<all>"),

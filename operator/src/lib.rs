@@ -17,12 +17,14 @@
 //! - [`controller`]: watches, predicates, CRD install, run configuration;
 //! - [`telemetry`], [`table`]: the operator's own metrics; plan tables.
 //! - [`promql`]: tenant PromQL confined to the fleet's own series (a leaf);
+//! - [`policy`]: the cluster admin's policy, what no fleet can choose (a leaf).
 
 pub mod api;
 pub mod autoscale;
 pub mod controller;
 pub mod names;
 pub mod plan;
+pub mod policy;
 pub mod promql;
 pub mod reason;
 pub mod reconcile;

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use c10m_operator::api::{self, ConnectionFleet};
 use c10m_operator::plan::nodes;
 use c10m_operator::plan::{self, NodeFacts};
+use c10m_operator::policy::Policy;
 use c10m_operator::{controller, table};
 
 #[derive(Parser)]
@@ -43,6 +44,11 @@ enum Command {
         /// Serve /metrics and /healthz on this address ("" to disable).
         #[arg(long, default_value = "0.0.0.0:8080", env = "C10M_METRICS_ADDR")]
         metrics_addr: String,
+        /// The cluster admin's policy (YAML: sysctl init-container image, namespaces allowed
+        /// InitContainer mode, reserved taints and allowed tolerations, grace bound, sysctl
+        /// ceilings); read once at start. Default: the built-in policy.
+        #[arg(long, env = "C10M_POLICY_FILE")]
+        policy_file: Option<PathBuf>,
     },
     /// Print the ConnectionFleet CustomResourceDefinition as YAML.
     Crd,
@@ -66,6 +72,9 @@ enum Command {
         /// Node CPUs when the manifest has no spec.node.cpus.
         #[arg(long, value_parser = clap::value_parser!(i64).range(1..=100_000))]
         node_cpus: Option<i64>,
+        /// Plan under this policy file (sysctl ceilings, grace bound) instead of the built-in one.
+        #[arg(long)]
+        policy_file: Option<PathBuf>,
     },
 }
 
@@ -125,6 +134,7 @@ fn plan_offline(
     output: Output,
     node_memory: Option<String>,
     node_cpus: Option<i64>,
+    policy: &Policy,
 ) -> anyhow::Result<()> {
     let observed = match (node_memory, node_cpus) {
         (Some(m), Some(c)) => Some(NodeFacts {
@@ -154,7 +164,8 @@ fn plan_offline(
         let node = nodes::resolve(&fleet.spec, observed).with_context(|| {
             format!("fleet {name} (offline: set spec.node.memory and spec.node.cpus, or pass --node-memory and --node-cpus)")
         })?;
-        let plan = plan::plan(&fleet.spec, node).with_context(|| format!("fleet {name}"))?;
+        let plan =
+            plan::plan_under(&fleet.spec, node, policy).with_context(|| format!("fleet {name}"))?;
         out.push((name, fleet.spec.connections, plan));
     }
     match output {
@@ -255,7 +266,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             output,
             node_memory,
             node_cpus,
-        } => plan_offline(&file, output, node_memory, node_cpus),
+            policy_file,
+        } => {
+            let policy = Policy::load(policy_file.as_deref())?;
+            plan_offline(&file, output, node_memory, node_cpus, &policy)
+        }
         Command::Status { namespace } => {
             tokio::runtime::Runtime::new()?.block_on(print_status(namespace))
         }
@@ -265,7 +280,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             manage_crd,
             metrics_addr,
             prometheus_url,
+            policy_file,
         } => {
+            // A policy that cannot be read stops the operator before it acts.
+            let policy = Policy::load(policy_file.as_deref())?;
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,kube=warn".into());
             use std::io::IsTerminal;
@@ -288,6 +306,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     manage_crd,
                     metrics_addr: (!metrics_addr.is_empty()).then_some(metrics_addr),
                     prometheus_url: prometheus_url.filter(|u| !u.is_empty()),
+                    policy,
                 };
                 controller::run(client, config).await
             })

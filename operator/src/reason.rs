@@ -50,6 +50,15 @@ pub enum Reason {
     AsPlanned,
     /// The plan changed (event).
     PlanChanged,
+    // --- the admin's policy ---
+    /// A toleration reaches a taint the operator's policy reserves.
+    TolerationNotAllowed,
+    /// `sysctls.mode: InitContainer` in a namespace the policy does not allow.
+    SysctlModeNotAllowed,
+    /// A shard's drain cannot finish within the policy's bound on the grace period.
+    DrainCannotFinish,
+    /// The policy's ceiling on a node-level sysctl limits connections per node.
+    CappedByPolicy,
     // --- objects and API calls ---
     /// An object the fleet would own exists and belongs to someone else.
     ObjectConflict,
@@ -114,13 +123,17 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 33] = [
+    pub const ALL: [Reason; 37] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
         Reason::MaxShardsReached,
         Reason::AsPlanned,
         Reason::PlanChanged,
+        Reason::TolerationNotAllowed,
+        Reason::SysctlModeNotAllowed,
+        Reason::DrainCannotFinish,
+        Reason::CappedByPolicy,
         Reason::ObjectConflict,
         Reason::NodesUnavailable,
         Reason::ApplyFailed,
@@ -164,6 +177,10 @@ impl Reason {
             Reason::MaxShardsReached => "MaxShardsReached",
             Reason::AsPlanned => "AsPlanned",
             Reason::PlanChanged => "PlanChanged",
+            Reason::TolerationNotAllowed => "TolerationNotAllowed",
+            Reason::SysctlModeNotAllowed => "SysctlModeNotAllowed",
+            Reason::DrainCannotFinish => "DrainCannotFinish",
+            Reason::CappedByPolicy => "CappedByPolicy",
             Reason::ObjectConflict => "ObjectConflict",
             Reason::NodesUnavailable => "NodesUnavailable",
             Reason::ApplyFailed => "ApplyFailed",

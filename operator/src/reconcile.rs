@@ -29,10 +29,11 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
 
-use crate::api::{ConnectionFleet, Plan};
+use crate::api::{ConnectionFleet, Plan, SysctlMode};
 use crate::autoscale;
 use crate::names::FIELD_MANAGER;
 use crate::plan::{self, NodeFacts, PlanError};
+use crate::policy::{Policy, Refusal};
 use crate::reason::Reason;
 use crate::render;
 use crate::status::{self, WorkloadFailure};
@@ -210,6 +211,8 @@ pub struct Context {
     pub prometheus: Option<autoscale::prometheus::Reader>,
     /// HTTP client for shard admin calls (shed orders).
     pub http: reqwest::Client,
+    /// The cluster admin's policy (`--policy-file`; defaults without one).
+    pub policy: Policy,
     /// Per-fleet memory of the metrics loop.
     loops: Mutex<HashMap<ObjectRef<ConnectionFleet>, autoscale::Memory>>,
     /// Clock of the metrics loop.
@@ -217,7 +220,9 @@ pub struct Context {
 }
 
 impl Context {
-    /// A context for `client`; `instance` names this operator replica in events.
+    /// A context for `client` under the default [`Policy`] (see
+    /// [`Context::with_policy`]); `instance` names this operator replica in
+    /// events.
     pub fn new(
         client: Client,
         instance: Option<String>,
@@ -235,9 +240,16 @@ impl Context {
             metrics,
             prometheus,
             http: reqwest::Client::new(),
+            policy: Policy::default(),
             loops: Mutex::default(),
             started: Instant::now(),
         }
+    }
+
+    /// This context under the admin's `policy`.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// Counts a finished reconcile of `fleet`: its metrics, and the
@@ -341,7 +353,7 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
             what: format!("ConnectionFleet {name} as read has no metadata.uid"),
         })?;
     let node = observe::node_facts(&ctx.client, fleet).await?; // client required
-    let plan = plan_fleet(fleet, node)?; // no client required
+    let plan = plan_fleet(fleet, node, &ctx.policy)?; // no client required
     let conflict = observe::foreign_object(&ctx.client, &ns, &name, &owner.uid).await?; // client required
     reject_conflict(conflict)?; // no client required
     let current = observe::current_replicas(&ctx.client, &ns, &name).await?; // client required
@@ -351,7 +363,7 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         .map_err(failed)?; // client required
     let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required
     let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
-    let objects = render::render(fleet, &plan, owner, looped.replicas); // no client required
+    let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
     let deployment = apply::objects(&ctx.client, &ns, &objects).await; // client required
     let deployment = match deployment {
         Ok(deployment) => deployment,
@@ -379,21 +391,39 @@ fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ende
     }
 }
 
-/// The plan step: a plan, or the rejection naming what to change.
+/// The plan step: a plan under the admin's `policy`, or the rejection
+/// naming what to change. What the policy refuses (a reserved toleration,
+/// the privileged init container in a namespace it does not allow) is
+/// refused before anything is planned or applied.
 #[allow(clippy::result_large_err)]
-fn plan_fleet(fleet: &ConnectionFleet, node: Result<NodeFacts, PlanError>) -> Result<Plan, Ended> {
+fn plan_fleet(
+    fleet: &ConnectionFleet,
+    node: Result<NodeFacts, PlanError>,
+    policy: &Policy,
+) -> Result<Plan, Ended> {
     let rejected = |reason, e: PlanError| Ended::Rejected {
         reason,
         message: e.to_string(),
     };
+    let ns = fleet.namespace().unwrap_or_default();
+    let spec = &fleet.spec;
+    policy
+        .check_fleet(
+            &ns,
+            spec.sysctls.mode == SysctlMode::InitContainer,
+            &spec.placement.tolerations,
+        )
+        .map_err(|refusal| Ended::Rejected {
+            reason: match refusal {
+                Refusal::Toleration { .. } => Reason::TolerationNotAllowed,
+                Refusal::InitContainer { .. } => Reason::SysctlModeNotAllowed,
+            },
+            message: refusal.to_string(),
+        })?;
     let node = node.map_err(|e| rejected(Reason::NoNodeProfile, e))?;
-    plan::validate::queries(
-        &fleet.spec,
-        &fleet.namespace().unwrap_or_default(),
-        &fleet.name_any(),
-    )
-    .map_err(|e| rejected(Reason::InvalidSpec, e))?;
-    plan::plan(&fleet.spec, node).map_err(|e| match e {
+    plan::validate::queries(spec, &ns, &fleet.name_any())
+        .map_err(|e| rejected(Reason::InvalidSpec, e))?;
+    plan::plan_under(spec, node, policy).map_err(|e| match e {
         PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
         PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),
     })

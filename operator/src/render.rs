@@ -22,46 +22,23 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use c10m_wire::{admin, env as wire_env, sysctl_tool};
 
 use crate::api::sysctl::Scope;
-use crate::api::{BackendModel, ConnectionFleet, DEFAULT_SERVER_IMAGE, Plan, SysctlMode};
+use crate::api::{BackendModel, ConnectionFleet, Plan, SysctlMode};
 use crate::names::{
     CONNECTION_PORT_NAME, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels, secret_name, selector,
 };
 use crate::plan;
+use crate::policy::Policy;
 
 /// Fraction of the container memory limit given to GOMEMLIMIT for the
 /// goroutine model: 90 %, leaving room for non-heap memory (Go's GC guide
 /// recommends a limit with headroom below the container limit).
 pub const GOMEMLIMIT_PERCENT: i64 = 90;
 
-/// Seconds added to the drain time for the grace period: process start-up
-/// of the drain, the last closes, and exit.
-pub const DRAIN_SLACK_SECONDS: i64 = 20;
-
-/// Seconds a draining shard keeps its listeners open, answering new
-/// connections with a protocol goodbye instead of a refusal, while its
-/// endpoint removal propagates: rendered as `C10M_DRAIN_ACCEPT_SECS`. The
-/// value and where it comes from are [`c10m_wire::drain::ACCEPT_SECS`].
-pub const DRAIN_ACCEPT_SECONDS: i64 = c10m_wire::drain::ACCEPT_SECS as i64;
-
-/// The pod's `terminationGracePeriodSeconds` for a shard holding
-/// `connections` that drains at `rate` per second: the drain time, plus the
-/// accept window ([`DRAIN_ACCEPT_SECONDS`]), plus [`DRAIN_SLACK_SECONDS`].
-///
-/// After SIGTERM the server closes its connections at the rate and, at the
-/// same time, keeps accepting for the window; it exits when both are over,
-/// so it lives at most the longer of the two (the drain is cut at
-/// `C10M_DRAIN_TIMEOUT_SECS`, the drain time plus half the slack; the
-/// window's last goodbyes take at most 2 s more). Adding the window to the
-/// drain time bounds that from above whichever is longer, so the kubelet's
-/// SIGKILL never cuts the window or the drain short.
-pub fn grace_seconds(connections: i64, rate: i64) -> i64 {
-    drain_seconds(connections, rate) + DRAIN_ACCEPT_SECONDS + DRAIN_SLACK_SECONDS
-}
-
-/// Seconds a shard holding `connections` needs to close them at `rate` per second.
-pub fn drain_seconds(connections: i64, rate: i64) -> i64 {
-    (connections + rate.max(1) - 1) / rate.max(1)
-}
+// The drain and grace period are sized by the plan, within the policy's
+// bound; their constants and formulas live there.
+pub use crate::plan::drain::{
+    DRAIN_ACCEPT_SECONDS, DRAIN_SLACK_SECONDS, drain_seconds, drain_timeout_seconds, grace_seconds,
+};
 
 /// The objects a fleet owns.
 #[derive(Clone, Debug)]
@@ -83,12 +60,15 @@ fn env(name: &str, value: impl ToString) -> EnvVar {
 }
 
 /// Renders the fleet's objects for `plan`. `owner` is the fleet's controller
-/// owner reference (so deleting the fleet deletes them).
+/// owner reference (so deleting the fleet deletes them). What is privileged
+/// comes from the admin's `policy`, never from the fleet: the init
+/// container's image (the grace period's bound is already in the plan).
 pub fn render(
     fleet: &ConnectionFleet,
     plan: &Plan,
     owner: OwnerReference,
     replicas: i32,
+    policy: &Policy,
 ) -> Rendered {
     let name = fleet.metadata.name.clone().unwrap_or_default();
     let meta = ObjectMeta {
@@ -127,13 +107,12 @@ pub fn render(
     ];
     // Drain: close at the fleet's rate on SIGTERM, keep accepting (with a
     // goodbye) for the accept window meanwhile, finishing both before the
-    // grace period ends.
-    let drain = drain_seconds(plan.shard_connection_limit, spec.drain.rate);
-    let grace = grace_seconds(plan.shard_connection_limit, spec.drain.rate);
+    // grace period ends. A grace the policy cut ends the drain early.
+    let grace = plan.termination_grace_period_seconds;
     env_vars.push(env(wire_env::DRAIN_RATE, spec.drain.rate));
     env_vars.push(env(
         wire_env::DRAIN_TIMEOUT_SECS,
-        drain + DRAIN_SLACK_SECONDS / 2,
+        drain_timeout_seconds(grace),
     ));
     env_vars.push(env(wire_env::DRAIN_ACCEPT_SECS, DRAIN_ACCEPT_SECONDS));
     env_vars.push(EnvVar {
@@ -204,6 +183,7 @@ pub fn render(
         security_context: bundled.then(|| SecurityContext {
             run_as_non_root: Some(true),
             run_as_user: Some(65532),
+            run_as_group: Some(65532),
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
             capabilities: Some(Capabilities {
@@ -218,13 +198,9 @@ pub fn render(
     let mode = spec.sysctls.mode;
     let init_containers =
         (mode == SysctlMode::InitContainer && !plan.sysctls.is_empty()).then(|| {
-            vec![sysctl_init_container(
-                spec.sysctls
-                    .image
-                    .as_deref()
-                    .unwrap_or(DEFAULT_SERVER_IMAGE),
-                plan,
-            )]
+            // The admin's image: spec.sysctls.image is refused at admission
+            // and never read.
+            vec![sysctl_init_container(&policy.sysctl_image, plan)]
         });
     let pod_sysctls =
         (mode == SysctlMode::PodSecurityContext && !plan.sysctls.is_empty()).then(|| {
@@ -271,6 +247,9 @@ pub fn render(
             ..Default::default()
         }]),
         termination_grace_period_seconds: Some(grace),
+        // Shards never talk to the API server: no ServiceAccount token in
+        // their pods (the admin token comes from the fleet's own Secret).
+        automount_service_account_token: Some(false),
         ..Default::default()
     };
 
@@ -457,12 +436,18 @@ mod tests {
         f
     }
 
-    /// Plans `spec` on a 64-CPU, 256 GiB node and renders it at the plan's shards.
+    /// Plans `spec` on a 64-CPU, 256 GiB node and renders it at the plan's
+    /// shards, under the default policy.
     fn case(spec: serde_json::Value) -> Case {
+        case_under(spec, &Policy::default())
+    }
+
+    /// [`case`] under `policy`.
+    fn case_under(spec: serde_json::Value, policy: &Policy) -> Case {
         let fleet = fleet(spec);
-        let plan = plan::plan(&fleet.spec, NODE).unwrap();
+        let plan = plan::plan_under(&fleet.spec, NODE, policy).unwrap();
         let owner = fleet.controller_owner_ref(&()).unwrap();
-        let out = render(&fleet, &plan, owner.clone(), plan.shards);
+        let out = render(&fleet, &plan, owner.clone(), plan.shards, policy);
         Case {
             fleet,
             plan,
@@ -579,7 +564,10 @@ mod tests {
         assert_eq!(inits.len(), 1);
         let init = &inits[0];
         assert_eq!(init.name, SYSCTL_INIT_CONTAINER);
-        assert_eq!(init.image.as_deref(), Some(DEFAULT_SERVER_IMAGE));
+        assert_eq!(
+            init.image.as_deref(),
+            Some(crate::policy::DEFAULT_SYSCTL_IMAGE)
+        );
         assert_eq!(init.command, Some(vec!["c10m-sysctl".to_string()]));
         let args = init.args.clone().unwrap();
         assert_eq!(args[0], "--host-proc=/host/proc");
@@ -613,13 +601,92 @@ mod tests {
         assert_eq!(volumes[0].name, "host-proc");
         assert_eq!(volumes[0].host_path.as_ref().unwrap().path, "/proc");
         assert_eq!(p.security_context, None, "no pod sysctls in this mode");
-        // The image may be overridden.
-        let c = case(json!({"connections": 10_000_000, "sysctls": {"image": "me/tools:1"}}));
+    }
+
+    /// Issue 13: the privileged container's image is the admin's. A fleet
+    /// naming one is refused (at admission, and by the plan where the
+    /// schema's rule is not enforced), never rendered.
+    #[test]
+    fn the_init_container_runs_the_policy_image_only() {
+        let digest = "registry.example/c10m/server@sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+        let policy = Policy {
+            sysctl_image: digest.into(),
+            ..Policy::default()
+        };
+        let c = case_under(json!({"connections": 10_000_000}), &policy);
+        let inits = pod(&c.out).init_containers.clone().unwrap();
+        assert_eq!(inits[0].image.as_deref(), Some(digest));
         assert_eq!(
-            pod(&c.out).init_containers.as_ref().unwrap()[0]
-                .image
-                .as_deref(),
-            Some("me/tools:1")
+            server(&c.out).image.as_deref(),
+            Some(crate::api::DEFAULT_SERVER_IMAGE),
+            "the server's own image stays the fleet's"
+        );
+        let spec =
+            fleet(json!({"connections": 10_000_000, "sysctls": {"image": "me/tools:1"}})).spec;
+        let err = plan::plan_under(&spec, NODE, &policy)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("spec.sysctls.image is not allowed"),
+            "{err}"
+        );
+    }
+
+    /// Issue 13: shard pods hold no API credentials, and the bundled server
+    /// runs with a fixed non-root group too.
+    #[test]
+    fn shard_pods_mount_no_service_account_token_and_run_as_group_65532() {
+        for spec in [
+            json!({"connections": 1_000_000}),
+            json!({"connections": 1_000_000, "sysctls": {"mode": "PodSecurityContext"}}),
+            json!({"connections": 1_000_000, "backend": {"model": "goroutine"}}),
+        ] {
+            let c = case(spec.clone());
+            assert_eq!(
+                pod(&c.out).automount_service_account_token,
+                Some(false),
+                "{spec}"
+            );
+        }
+        let c = case(json!({"connections": 1_000_000}));
+        let sc = server(&c.out).security_context.clone().unwrap();
+        assert_eq!(
+            (sc.run_as_user, sc.run_as_group, sc.run_as_non_root),
+            (Some(65532), Some(65532), Some(true))
+        );
+    }
+
+    /// Issue 13: `drain.rate: 1` rendered a grace period of years. The
+    /// policy bounds it, and the server cuts its drain before SIGKILL.
+    #[test]
+    fn a_drain_that_cannot_finish_gets_the_policy_bound() {
+        let c = case(json!({"connections": 1_000_000, "drain": {"rate": 1}}));
+        assert!(c.plan.drain_cut_by_policy);
+        assert_eq!(c.plan.drain_seconds, c.plan.shard_connection_limit);
+        let grace = pod(&c.out).termination_grace_period_seconds.unwrap();
+        assert_eq!(grace, 3600);
+        assert_eq!(c.plan.termination_grace_period_seconds, 3600);
+        let timeout: i64 = env_value(server(&c.out), wire_env::DRAIN_TIMEOUT_SECS)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(timeout, 3600 - 5 - 10);
+        // A tighter policy, tighter still.
+        let policy = Policy {
+            max_termination_grace_period_seconds: 600,
+            ..Policy::default()
+        };
+        let c = case_under(
+            json!({"connections": 1_000_000, "drain": {"rate": 1}}),
+            &policy,
+        );
+        assert_eq!(pod(&c.out).termination_grace_period_seconds, Some(600));
+        // A drain that fits is not cut.
+        let c = case(json!({"connections": 1_000_000, "drain": {"rate": 2000}}));
+        assert!(!c.plan.drain_cut_by_policy);
+        assert_eq!(
+            pod(&c.out).termination_grace_period_seconds,
+            Some(grace_seconds(c.plan.shard_connection_limit, 2000))
         );
     }
 
@@ -628,7 +695,13 @@ mod tests {
         let mut c = case(json!({"connections": 1_000_000}));
         assert!(pod(&c.out).init_containers.is_some());
         c.plan.sysctls.clear();
-        let out = render(&c.fleet, &c.plan, c.owner.clone(), c.plan.shards);
+        let out = render(
+            &c.fleet,
+            &c.plan,
+            c.owner.clone(),
+            c.plan.shards,
+            &Policy::default(),
+        );
         assert_eq!(pod(&out).init_containers, None);
         assert_eq!(
             pod(&out).volumes,
@@ -679,33 +752,6 @@ mod tests {
         assert_eq!(p.volumes, None);
         assert_eq!(p.security_context, None);
         assert!(!c.plan.sysctls_not_applied.is_empty());
-    }
-
-    #[test]
-    fn drain_seconds_round_up() {
-        assert_eq!(drain_seconds(1000, 100), 10);
-        assert_eq!(drain_seconds(1001, 100), 11);
-        assert_eq!(drain_seconds(1, 1000), 1);
-        assert_eq!(drain_seconds(0, 1000), 0);
-        assert_eq!(
-            drain_seconds(5, 0),
-            5,
-            "a zero rate counts as one per second"
-        );
-    }
-
-    #[test]
-    fn grace_covers_the_drain_and_the_accept_window() {
-        assert_eq!(DRAIN_ACCEPT_SECONDS, 5);
-        assert_eq!(grace_seconds(1000, 100), 10 + 5 + 20);
-        assert_eq!(grace_seconds(0, 1000), 5 + 20);
-        // Whichever of drain and window is longer, the grace period is longer
-        // than the server's life after SIGTERM: max(drain + slack/2, window + 2).
-        for (conns, rate) in [(0, 1000), (1, 1), (100_000, 10), (1_000_000, 100_000)] {
-            let drain_timeout = drain_seconds(conns, rate) + DRAIN_SLACK_SECONDS / 2;
-            let window = DRAIN_ACCEPT_SECONDS + 2;
-            assert!(grace_seconds(conns, rate) > drain_timeout.max(window));
-        }
     }
 
     #[test]
@@ -939,7 +985,13 @@ mod tests {
     #[test]
     fn replicas_are_the_given_count_rolled_one_at_a_time() {
         let c = case(json!({"connections": 1_000_000}));
-        let out = render(&c.fleet, &c.plan, c.owner.clone(), c.plan.shards + 3);
+        let out = render(
+            &c.fleet,
+            &c.plan,
+            c.owner.clone(),
+            c.plan.shards + 3,
+            &Policy::default(),
+        );
         let spec = out.deployment.spec.unwrap();
         assert_eq!(spec.replicas, Some(c.plan.shards + 3));
         let rolling = spec.strategy.unwrap().rolling_update.unwrap();

@@ -13,6 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::api::sysctl::join_names;
 use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
+use crate::plan::drain::{DRAIN_ACCEPT_SECONDS, DRAIN_SLACK_SECONDS, drain_timeout_seconds};
 use crate::reason::ConditionType::{
     self, Degraded as DEGRADED, MetricsAvailable as METRICS_AVAILABLE, Progressing as PROGRESSING,
     Ready as READY, SysctlsApplied as SYSCTLS_APPLIED,
@@ -66,8 +67,7 @@ pub const POD_SECURITY_HINT: &str = "set spec.sysctls.mode: PodSecurityContext, 
 
 const QUOTA_HINT: &str = "raise the namespace's ResourceQuota, or plan fewer or smaller shards (spec.connections, spec.shard.cpus, spec.shard.maxShards)";
 
-const IMAGE_HINT: &str =
-    "check spec.server.image (and spec.sysctls.image) and the namespace's image pull secrets";
+const IMAGE_HINT: &str = "check spec.server.image and the namespace's image pull secrets (the sysctl init container's image is the operator policy's sysctlImage: a cluster admin's)";
 
 /// Container waiting reasons that mean its image cannot be pulled.
 const IMAGE_PULL_REASONS: [&str; 4] = [
@@ -343,6 +343,13 @@ pub fn next_status(
                         plan.shards, plan.capacity, declared
                     ),
                 );
+            } else if plan.drain_cut_by_policy {
+                set(
+                    DEGRADED,
+                    true,
+                    Reason::DrainCannotFinish,
+                    drain_cut_message(plan),
+                );
             } else {
                 set(
                     DEGRADED,
@@ -361,7 +368,27 @@ pub fn next_status(
         _ => None,
     };
     if let Some(plan) = plan {
-        if plan.sysctls_not_applied.is_empty() {
+        if plan.sysctls_not_applied.is_empty() && !plan.sysctls_capped.is_empty() {
+            set_condition(
+                &mut status.conditions,
+                SYSCTLS_APPLIED,
+                true,
+                Reason::CappedByPolicy,
+                format!(
+                    "{} sysctls applied; the operator's policy caps {}, which limits connections per node ({} shards of {} connections)",
+                    plan.sysctls.len(),
+                    plan.sysctls_capped
+                        .iter()
+                        .map(|(n, v)| format!("{n} at {v}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    plan.shards_per_node,
+                    plan.max_connections_per_shard
+                ),
+                generation,
+                now,
+            );
+        } else if plan.sysctls_not_applied.is_empty() {
             set_condition(
                 &mut status.conditions,
                 SYSCTLS_APPLIED,
@@ -396,6 +423,20 @@ pub fn next_status(
         status.updated_shards = shards.updated;
     }
     status
+}
+
+/// What `Degraded=True DrainCannotFinish` says: the shard's drain, the
+/// bound that cut it, when the rest is closed, and the rate that would fit.
+fn drain_cut_message(plan: &Plan) -> String {
+    let grace = plan.termination_grace_period_seconds;
+    let room = (grace - DRAIN_ACCEPT_SECONDS - DRAIN_SLACK_SECONDS).max(1);
+    let limit = plan.shard_connection_limit;
+    format!(
+        "a departing shard cannot drain its {limit} connections at spec.drain.rate: it needs {} s, and the operator's policy bounds terminationGracePeriodSeconds at {grace} s; after {} s it closes the rest at once. Set spec.drain.rate to at least {} or plan smaller shards",
+        plan.drain_seconds,
+        drain_timeout_seconds(grace),
+        (limit + room - 1) / room
+    )
 }
 
 /// Folds one sync of the metrics loop into `status`: live connections, the
@@ -878,6 +919,84 @@ mod tests {
             Announcement::warning(Reason::ShedFailed, EventAction::Autoscale, "timeout"),
         ];
         assert_eq!(announcements(Some(&s1), &s2, &done, &looped), looped);
+    }
+
+    /// Issue 13: a drain the policy's grace bound cuts is Degraded, says
+    /// what happens and what rate would fit, and is warned once.
+    #[test]
+    fn a_drain_cut_by_the_policy_is_degraded_and_warned_once() {
+        let p = plan_for(serde_json::json!({"connections": 1_000_000, "drain": {"rate": 1}}));
+        assert!(p.drain_cut_by_policy);
+        assert_eq!(p.termination_grace_period_seconds, 3600);
+        let done = rolled_out(&p);
+        let s1 = next_status(None, 1, 1_000_000, &done, &t(1));
+        let d = condition(&s1, DEGRADED).unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "DrainCannotFinish")
+        );
+        let limit = p.shard_connection_limit;
+        let fits = (limit + 3574) / 3575;
+        for part in [
+            format!("cannot drain its {limit} connections at spec.drain.rate"),
+            format!("it needs {limit} s"),
+            "bounds terminationGracePeriodSeconds at 3600 s".to_string(),
+            "after 3585 s it closes the rest at once".to_string(),
+            format!("Set spec.drain.rate to at least {fits}"),
+        ] {
+            assert!(d.message.contains(&part), "{part:?} not in {}", d.message);
+        }
+        // The suggested rate does fit.
+        let ok = plan_for(serde_json::json!({"connections": 1_000_000, "drain": {"rate": fits}}));
+        assert!(!ok.drain_cut_by_policy, "rate {fits}");
+        assert_eq!(
+            warnings(&announcements(None, &s1, &done, &[])),
+            vec![&Announcement::warning(
+                Reason::DrainCannotFinish,
+                EventAction::Plan,
+                d.message.clone()
+            )]
+        );
+        let s2 = next_status(Some(&s1), 1, 1_000_000, &done, &t(2));
+        assert!(warnings(&announcements(Some(&s1), &s2, &done, &[])).is_empty());
+        // Ready still tells the truth about the shards.
+        assert_eq!(condition(&s1, READY).unwrap().status, "True");
+    }
+
+    /// Issue 13: a policy ceiling that limits the plan shows in the
+    /// SysctlsApplied condition (the sysctls the plan has are applied).
+    #[test]
+    fn a_policy_ceiling_that_binds_is_said_in_sysctls_applied() {
+        let spec: ConnectionFleetSpec =
+            serde_json::from_value(serde_json::json!({"connections": 10_000_000})).unwrap();
+        let policy = crate::policy::Policy::from_yaml(
+            "sysctlCeilings: {net.netfilter.nf_conntrack_max: 2000000}\n",
+        )
+        .unwrap();
+        let node = NodeFacts {
+            memory_bytes: 256 << 30,
+            cpus: 64,
+            pods: 110,
+        };
+        let p = crate::plan::plan_under(&spec, node, &policy).unwrap();
+        let s1 = next_status(None, 1, 10_000_000, &rolled_out(&p), &t(1));
+        let c = condition(&s1, SYSCTLS_APPLIED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "CappedByPolicy")
+        );
+        assert!(
+            c.message
+                .contains("the operator's policy caps net.netfilter.nf_conntrack_max at 2000000"),
+            "{}",
+            c.message
+        );
+        assert_eq!(condition(&s1, DEGRADED).unwrap().reason, "AsPlanned");
+        let free = next_status(None, 1, 10_000_000, &rolled_out(&a_plan()), &t(1));
+        assert_eq!(
+            condition(&free, SYSCTLS_APPLIED).unwrap().reason,
+            "AllApplied"
+        );
     }
 
     #[test]

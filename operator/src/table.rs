@@ -76,6 +76,21 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     if !plan.sysctls_not_applied.is_empty() {
         row("sysctls not applied", join_names(&plan.sysctls_not_applied));
     }
+    for (k, v) in &plan.sysctls_capped {
+        row(&format!("capped by policy {k}"), v.to_string());
+    }
+    row("drainSeconds", plan.drain_seconds.to_string());
+    row(
+        "terminationGracePeriodSeconds",
+        if plan.drain_cut_by_policy {
+            format!(
+                "{} (policy bound: the drain cannot finish)",
+                plan.termination_grace_period_seconds
+            )
+        } else {
+            plan.termination_grace_period_seconds.to_string()
+        },
+    );
     if let Some(c) = plan.cost_per_million_connections_monthly {
         row("costPerMillionConnectionsMonthly", format!("${c:.2}"));
     }

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use apiserver::{ApiServer, Call, Reply};
 use c10m_operator::api::ConnectionFleet;
+use c10m_operator::policy::Policy;
 use c10m_operator::reason::Reason;
 use c10m_operator::reconcile::report::ROLLOUT_RECHECK;
 use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
@@ -163,15 +164,17 @@ struct Harness {
 
 impl Harness {
     fn start(cluster: Cluster) -> Harness {
+        Self::start_under(cluster, Policy::default())
+    }
+
+    /// [`Harness::start`] with the operator under the admin's `policy`.
+    fn start_under(cluster: Cluster, policy: Policy) -> Harness {
         let cluster = Arc::new(Mutex::new(cluster));
         let routed = cluster.clone();
         let (client, api) = ApiServer::start(move |call| routed.lock().unwrap().answer(call));
-        let ctx = Arc::new(Context::new(
-            client,
-            None,
-            Arc::new(Metrics::default()),
-            None,
-        ));
+        let ctx = Arc::new(
+            Context::new(client, None, Arc::new(Metrics::default()), None).with_policy(policy),
+        );
         Harness { cluster, api, ctx }
     }
 
@@ -332,6 +335,78 @@ async fn an_invalid_spec_is_rejected_as_invalid_spec() {
     let warned = warnings(&calls);
     assert_eq!(warned.len(), 1);
     assert_warning(&warned[0], Reason::InvalidSpec, "Plan", &message);
+}
+
+/// Issue 13: what the admin's policy refuses is refused before anything is
+/// applied, with its own reason, naming the field, warned once.
+#[tokio::test]
+async fn the_policy_refuses_before_anything_is_applied() {
+    let policy = Policy::from_yaml(
+        "initContainerNamespaces: [infra]\nsysctlImage: registry.example/c10m/server@sha256:0000000000000000000000000000000000000000000000000000000000000000\n",
+    )
+    .unwrap();
+    let nothing_applied = |calls: &[Call]| {
+        calls
+            .iter()
+            .all(|c| c.method == Method::GET || c.path() == FLEET_STATUS || c.path() == EVENTS)
+    };
+    let mut refused = Vec::new();
+    for (spec, reason, field) in [
+        (
+            json!({"connections": 1_000_000, "node": {"memory": "256Gi", "cpus": 64},
+                   "sysctls": {"mode": "PodSecurityContext"},
+                   "placement": {"tolerations": [{"key": "dedicated", "value": "edge"}, {"operator": "Exists"}]}}),
+            Reason::TolerationNotAllowed,
+            "spec.placement.tolerations[1] ",
+        ),
+        (
+            feasible(),
+            Reason::SysctlModeNotAllowed,
+            "spec.sysctls.mode: InitContainer",
+        ),
+    ] {
+        let cached = fleet(spec);
+        let h = Harness::start_under(Cluster::with_fleet(&cached), policy.clone());
+        let action = h
+            .reconcile(&cached)
+            .await
+            .expect("a refusal is not an error");
+        assert_eq!(action, Action::requeue(RESYNC));
+        let calls = h.api.take();
+        let written = status_writes(&calls);
+        assert_eq!(written.len(), 1, "{calls:#?}");
+        let (status, got, message) = condition(&written[0], "Degraded");
+        assert_eq!((status.as_str(), got.as_str()), ("True", reason.as_str()));
+        assert!(message.starts_with(field), "{message}");
+        assert_eq!(condition(&written[0], "Ready").0, "False");
+        let warned = warnings(&calls);
+        assert_eq!(warned.len(), 1, "{warned:#?}");
+        assert_warning(&warned[0], reason, "Plan", &message);
+        assert!(nothing_applied(&calls), "{calls:#?}");
+        refused.push(message);
+    }
+    assert!(
+        refused[1].contains("set spec.sysctls.mode: PodSecurityContext"),
+        "{}",
+        refused[1]
+    );
+
+    // Where the policy allows it, the privileged container runs the
+    // policy's image, and no shard pod mounts a ServiceAccount token.
+    let cached = fleet(json!({"connections": 10_000_000, "node": {"memory": "256Gi", "cpus": 64}}));
+    let mut allowed = policy.clone();
+    allowed.init_container_namespaces = vec![NS.into()];
+    let h = Harness::start_under(Cluster::with_fleet(&cached), allowed.clone());
+    h.reconcile(&cached).await.unwrap();
+    let calls = h.api.take();
+    let applied = writes_to(&calls, DEPLOYMENT);
+    assert_eq!(applied.len(), 1, "{calls:#?}");
+    let pod = &applied[0].body.as_ref().unwrap()["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["initContainers"][0]["image"],
+        allowed.sysctl_image.as_str()
+    );
+    assert_eq!(pod["automountServiceAccountToken"], false);
 }
 
 #[tokio::test]

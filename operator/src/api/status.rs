@@ -116,6 +116,28 @@ pub struct Plan {
         deserialize_with = "lenient_sysctl_names"
     )]
     pub sysctls_not_applied: Vec<Sysctl>,
+    /// Node-level sysctls the operator's policy caps below what the fleet
+    /// would otherwise raise them to (name → the policy's ceiling; for
+    /// tcp_mem in pages): the ceiling limits connections per node.
+    #[serde(
+        default,
+        skip_serializing_if = "Sysctls::is_empty",
+        deserialize_with = "lenient_sysctls"
+    )]
+    pub sysctls_capped: Sysctls,
+    /// Seconds a departing shard needs to close its connection cap at
+    /// spec.drain.rate.
+    #[serde(default)]
+    pub drain_seconds: i64,
+    /// terminationGracePeriodSeconds of the shards' pods: the drain, the
+    /// accept window and slack, at most the operator policy's bound.
+    #[serde(default)]
+    pub termination_grace_period_seconds: i64,
+    /// The policy's bound cut the grace period: a departing shard cannot
+    /// close all its connections at spec.drain.rate and closes the rest at
+    /// once when its drain times out.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drain_cut_by_policy: bool,
     /// Node memory the plan assumed, bytes.
     pub node_memory_bytes: i64,
     /// Node CPUs the plan assumed.

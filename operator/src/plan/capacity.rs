@@ -11,14 +11,16 @@
 //! Figures come from [`super::kernel`] (measured on Linux 6.18, cited in
 //! `docs/KERNEL_FACTS.md`) and the kernel sources named beside each constant.
 
-use crate::api::sysctl::{Sysctl, Sysctls};
+use crate::api::sysctl::{Sysctl, SysctlValue, Sysctls};
 use crate::api::{
     BackendModel, BytesPerConnection, ConnectionFleetSpec, LimitingFactor, Plan, SysctlMode,
 };
+use crate::policy::{Policy, SysctlCeilings};
 
 use super::bundled::partial_budget_bytes;
+use super::drain;
 use super::kernel::*;
-use super::sysctl::{NodeLoad, plan_sysctls};
+use super::sysctl::{FILE_MAX_SYSTEM_RESERVE, NodeLoad, plan_sysctls};
 use super::validate::validate;
 use super::{NodeFacts, PlanError};
 
@@ -69,6 +71,7 @@ struct Inputs {
     raise_node_sysctls: bool,
     node: NodeFacts,
     defaults: KernelDefaults,
+    ceilings: SysctlCeilings,
 }
 
 impl Inputs {
@@ -144,8 +147,9 @@ impl Inputs {
     }
 
     /// Node-wide limits to check: (tcp_mem pressure, conntrack max, file-max,
-    /// nr_open). A `None` limit is raised by the plan to fit and not checked
-    /// while planning; with the plan's `sysctls` every limit is checked.
+    /// nr_open). While planning, a limit the plan raises is checked against
+    /// the most the policy's ceilings let it raise to ([`Self::raisable`]);
+    /// with the plan's `sysctls` every limit is checked against them.
     fn node_limits(
         &self,
         sysctls: Option<&Sysctls>,
@@ -164,7 +168,10 @@ impl Inputs {
                 Some(get(Sysctl::FileMax)),
                 get(Sysctl::NrOpen),
             ),
-            None if self.raise_node_sysctls => (None, None, None, i64::MAX),
+            None if self.raise_node_sysctls => {
+                let (pressure, conntrack, file_max, nr_open) = self.raisable();
+                (Some(pressure), Some(conntrack), Some(file_max), nr_open)
+            }
             None => (
                 Some(d.tcp_mem[1]),
                 Some(d.conntrack_max),
@@ -172,6 +179,60 @@ impl Inputs {
                 DEFAULT_NR_OPEN,
             ),
         }
+    }
+
+    /// The most the plan may raise each node limit to under the policy's
+    /// ceilings, never below the kernel default: (tcp_mem pressure,
+    /// conntrack max, file-max, nr_open). The plan raises `tcp_mem`'s max to
+    /// 1.5 × its pressure and `fs.file-max` to the shards' files plus
+    /// [`FILE_MAX_SYSTEM_RESERVE`], so those leave room for that under
+    /// their ceilings.
+    fn raisable(&self) -> (i64, i64, i64, i64) {
+        let (c, d) = (&self.ceilings, &self.defaults);
+        let pressure = (c.tcp_mem_pages as i128 * 2 / 3) as i64;
+        (
+            d.tcp_mem[1].max(pressure),
+            d.conntrack_max.max(c.nf_conntrack_max),
+            d.file_max
+                .max(c.file_max.saturating_sub(FILE_MAX_SYSTEM_RESERVE)),
+            DEFAULT_NR_OPEN.max(c.nr_open),
+        )
+    }
+
+    /// Node-level sysctls whose ceilings `s` shards per node of `n`
+    /// declared connections each would pass, among those behind `factor`
+    /// (name → the ceiling). Empty unless the plan raises node limits: with
+    /// kernel defaults, no ceiling is what binds.
+    fn capped(&self, n: i64, s: i64, factor: LimitingFactor) -> Sysctls {
+        let mut capped = Sysctls::new();
+        if !self.raise_node_sysctls {
+            return capped;
+        }
+        let l = self.cap(n);
+        let nofile = l + self.fd_reserve;
+        let (pressure, conntrack, file_max, nr_open) = self.raisable();
+        let c = &self.ceilings;
+        let mut cap = |sysctl, ceiling| {
+            capped.insert(sysctl, SysctlValue::One(ceiling));
+        };
+        match factor {
+            LimitingFactor::TcpMem if s * self.queued_pages(l) > pressure => {
+                cap(Sysctl::TcpMem, c.tcp_mem_pages)
+            }
+            LimitingFactor::Conntrack if self.tracked && s * l > conntrack => {
+                cap(Sysctl::NfConntrackMax, c.nf_conntrack_max)
+            }
+            LimitingFactor::Nofile => {
+                if nofile > nr_open && nr_open < self.nofile_hard {
+                    cap(Sysctl::NrOpen, c.nr_open);
+                }
+                if s * nofile > file_max {
+                    cap(Sysctl::FileMax, c.file_max);
+                }
+            }
+            _ => {}
+        }
+        capped
     }
 
     /// Most declared connections per shard with `s` shards per node (0 if none fit).
@@ -202,14 +263,28 @@ fn saturate(x: i128) -> i64 {
     i64::try_from(x).unwrap_or(i64::MAX)
 }
 
-/// Computes the plan for `spec` on nodes like `node`.
+/// Computes the plan for `spec` on nodes like `node` under the default
+/// [`Policy`] ([`plan_under`]).
+pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanError> {
+    plan_under(spec, node, &Policy::default())
+}
+
+/// Computes the plan for `spec` on nodes like `node` under the admin's
+/// `policy`: node-level sysctls are raised at most to its ceilings (the
+/// shards are sized to fit under them, and `sysctlsCapped` names a ceiling
+/// that limits connections per node), and the grace period is at most its
+/// bound (`drainCutByPolicy` says when the drain cannot finish in it).
 ///
 /// Errors: [`PlanError::Invalid`] for a spec the schema should have refused,
 /// [`PlanError::Infeasible`] when not one connection fits a shard on a node
 /// (shard.cpus above node CPUs, or node memory below one shard's base).
-pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanError> {
+pub fn plan_under(
+    spec: &ConnectionFleetSpec,
+    node: NodeFacts,
+    policy: &Policy,
+) -> Result<Plan, PlanError> {
     let valid = validate(spec)?;
-    let inputs = Inputs::new(spec, valid.user_bytes, node);
+    let inputs = Inputs::new(spec, valid.user_bytes, node, policy.sysctl_ceilings);
     let cpus = inputs.cpus;
     let tracked = inputs.tracked;
 
@@ -239,15 +314,17 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     let sh = &spec.shard;
     let needed = ceil_div(inputs.connections, per_shard).max(sh.min_shards as i64);
     let shards = needed.min(sh.max_shards as i64);
+    // Slots bound first when no more shards fit a node; else the per-shard limit.
+    let binding = *inputs
+        .violations(per_shard + 1, per_node_shards, None)
+        .first()
+        .expect("max_per_shard stops below the search ceiling only when a constraint binds");
     let limiting_factor = if needed > shards {
         LimitingFactor::MaxShards
     } else {
-        // Slots bound first when no more shards fit a node; else the per-shard limit.
-        *inputs
-            .violations(per_shard + 1, per_node_shards, None)
-            .first()
-            .expect("max_per_shard stops below the search ceiling only when a constraint binds")
+        binding
     };
+    let sysctls_capped = inputs.capped(per_shard + 1, per_node_shards, binding);
     let connections_per_shard = ceil_div(inputs.connections, shards).min(per_shard);
     let sized_connections_per_shard = size_step(connections_per_shard, per_shard);
     let shard_connection_limit = inputs.cap(sized_connections_per_shard);
@@ -255,9 +332,15 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     let nodes = ceil_div(shards, shards_per_node);
     let nofile = shard_connection_limit + inputs.fd_reserve;
 
+    let drain = drain::drain(
+        shard_connection_limit,
+        spec.drain.rate,
+        policy.max_termination_grace_period_seconds,
+    );
     let (sysctls, sysctls_not_applied) = plan_sysctls(
         spec,
         &inputs.defaults,
+        &inputs.ceilings,
         NodeLoad {
             connections: shards_per_node * shard_connection_limit,
             queued_pages: shards_per_node * inputs.queued_pages(shard_connection_limit),
@@ -298,6 +381,10 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
         limiting_factor,
         sysctls,
         sysctls_not_applied,
+        sysctls_capped,
+        drain_seconds: drain.seconds,
+        termination_grace_period_seconds: drain.grace,
+        drain_cut_by_policy: drain.cut,
         node_memory_bytes: node.memory_bytes,
         node_cpus: node.cpus as i32,
         cost_per_million_connections_monthly: price
@@ -348,7 +435,7 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
     let Ok(valid) = validate(spec) else {
         return vec![];
     };
-    let inputs = Inputs::new(spec, valid.user_bytes, node);
+    let inputs = Inputs::new(spec, valid.user_bytes, node, SysctlCeilings::default());
     inputs.violations(
         plan.sized_connections_per_shard,
         plan.shards_per_node as i64,
@@ -358,8 +445,14 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
 
 impl Inputs {
     /// Resolves the model's inputs from a validated spec (model defaults for
-    /// unset fields) and its backend's `user` bytes per connection.
-    fn new(spec: &ConnectionFleetSpec, user: i64, node: NodeFacts) -> Inputs {
+    /// unset fields), its backend's `user` bytes per connection and the
+    /// policy's sysctl `ceilings`.
+    fn new(
+        spec: &ConnectionFleetSpec,
+        user: i64,
+        node: NodeFacts,
+        ceilings: SysctlCeilings,
+    ) -> Inputs {
         let node_profile = spec.node.clone().unwrap_or_default();
         let tracked = node_profile.conntrack.unwrap_or(true);
         let kernel_socket = node_profile
@@ -383,6 +476,7 @@ impl Inputs {
             raise_node_sysctls: spec.sysctls.mode == SysctlMode::InitContainer,
             node,
             defaults: KernelDefaults::for_node(node.memory_bytes, node.cpus),
+            ceilings,
         }
     }
 }
@@ -643,6 +737,115 @@ mod tests {
         );
     }
 
+    fn policy_with(ceilings: serde_json::Value) -> Policy {
+        Policy::from_yaml(&serde_json::json!({"sysctlCeilings": ceilings}).to_string()).unwrap()
+    }
+
+    /// Issue 13: node-level sysctls are raised at most to the admin's
+    /// ceilings. The shards are sized to fit under them (more shards, more
+    /// nodes), the plan stays sound, and it names the ceiling that binds.
+    #[test]
+    fn policy_ceilings_cap_node_sysctls_and_the_plan_fits_under_them() {
+        let s = spec(serde_json::json!({"connections": 10_000_000}));
+        let free = plan(&s, NODE).unwrap();
+        assert!(
+            free.sysctls_capped.is_empty(),
+            "the defaults do not bind here"
+        );
+        let conntrack = free.sysctls[&Sysctl::NfConntrackMax].limit();
+        assert!(conntrack > 2_000_000, "{conntrack}");
+
+        let policy = policy_with(serde_json::json!({"net.netfilter.nf_conntrack_max": 2_000_000}));
+        let p = plan_under(&s, NODE, &policy).unwrap();
+        assert!(check(&s, &p).is_empty(), "{:?}", check(&s, &p));
+        assert!(p.sysctls[&Sysctl::NfConntrackMax].limit() <= 2_000_000);
+        assert_eq!(p.limiting_factor, LimitingFactor::Conntrack);
+        assert_eq!(
+            p.sysctls_capped,
+            Sysctls::from([(Sysctl::NfConntrackMax, SysctlValue::One(2_000_000))])
+        );
+        assert!(p.shards > free.shards && p.shards as i64 * p.connections_per_shard >= 10_000_000);
+
+        // fs.nr_open caps a shard's descriptors, so its size.
+        let policy = policy_with(serde_json::json!({"fs.nr_open": 2_000_000}));
+        let p = plan_under(&s, NODE, &policy).unwrap();
+        assert!(check(&s, &p).is_empty());
+        assert!(p.nofile <= 2_000_000, "{}", p.nofile);
+        assert_eq!(p.sysctls[&Sysctl::NrOpen], SysctlValue::One(p.nofile));
+        assert_eq!(p.limiting_factor, LimitingFactor::Nofile);
+        assert!(p.sysctls_capped.contains_key(&Sysctl::NrOpen));
+
+        // fs.file-max, less the reserve the node keeps for itself.
+        let policy = policy_with(serde_json::json!({"fs.file-max": 4_000_000}));
+        let p = plan_under(&s, NODE, &policy).unwrap();
+        assert!(check(&s, &p).is_empty());
+        let file_max = p.sysctls.get(&Sysctl::FileMax).map_or(0, |v| v.limit());
+        assert!(file_max <= 4_000_000, "{file_max}");
+        assert!(p.sysctls_capped.contains_key(&Sysctl::FileMax), "{p:?}");
+
+        // tcp_mem: every component under the ceiling, pressure included.
+        let small = NodeFacts {
+            memory_bytes: 8 << 30,
+            cpus: 64,
+            pods: 110,
+        };
+        let queued = spec(serde_json::json!({"connections": 1_000_000,
+            "backend": {"queuedPercent": 100}, "node": {"conntrack": false}}));
+        let free = plan(&queued, small).unwrap();
+        let SysctlValue::Pages([_, pressure, _]) = free.sysctls[&Sysctl::TcpMem] else {
+            panic!("tcp_mem is raised without a tight ceiling")
+        };
+        let ceiling = pressure; // below the 1.5 × pressure the free plan's max needs
+        let policy = policy_with(serde_json::json!({"net.ipv4.tcp_mem": ceiling}));
+        let p = plan_under(&queued, small, &policy).unwrap();
+        assert!(check(&queued, &p).is_empty());
+        if let Some(SysctlValue::Pages(c)) = p.sysctls.get(&Sysctl::TcpMem) {
+            let default = KernelDefaults::for_node(small.memory_bytes, small.cpus).tcp_mem;
+            for (v, d) in c.iter().zip(default) {
+                assert!(*v <= ceiling.max(d), "{c:?}");
+            }
+        }
+        assert_eq!(p.limiting_factor, LimitingFactor::TcpMem);
+        assert!(p.sysctls_capped.contains_key(&Sysctl::TcpMem));
+    }
+
+    /// What a fleet claims about its node (`spec.node`) no longer sets
+    /// node-wide limits without bound: the claims of issue 13 stay under
+    /// the default ceilings.
+    #[test]
+    fn made_up_node_profiles_raise_nothing_past_the_default_ceilings() {
+        let policy = Policy::default();
+        let c = policy.sysctl_ceilings;
+        let mut planned = 0;
+        for node in [
+            serde_json::json!({"memory": "1Pi", "cpus": 1, "kernelBytesPerSocket": 0}),
+            serde_json::json!({"memory": "671Mi", "cpus": 1, "kernelBytesPerSocket": 0}),
+            serde_json::json!({"memory": "64Mi", "cpus": 1, "kernelBytesPerSocket": 0, "conntrack": false}),
+        ] {
+            let s = spec(serde_json::json!({
+                "connections": 10_000_000_000i64,
+                "backend": {"model": "custom", "userBytesPerConnection": 0, "queuedPercent": 100},
+                "node": node,
+                "shard": {"cpus": 1, "headroomPercent": 0, "maxShards": 100_000}
+            }));
+            let facts = super::super::nodes::resolve(&s, None).unwrap();
+            let Ok(p) = plan_under(&s, facts, &policy) else {
+                continue;
+            };
+            planned += 1;
+            assert!(check(&s, &p).is_empty(), "{node}");
+            let d = KernelDefaults::for_node(facts.memory_bytes, facts.cpus);
+            for (sysctl, value) in &p.sysctls {
+                if let Some(ceiling) = super::super::sysctl::ceiling(&c, *sysctl) {
+                    for (v, d) in value.components().iter().zip(d.value(*sysctl).components()) {
+                        assert!(*v <= ceiling.max(d), "{node}: {sysctl}={value}");
+                    }
+                }
+            }
+        }
+        assert!(planned >= 2, "only {planned} of the claims planned");
+    }
+
     fn arb_spec() -> impl Strategy<Value = (ConnectionFleetSpec, NodeFacts)> {
         (
             1i64..=2_000_000_000,
@@ -687,12 +890,40 @@ mod tests {
             prop_assert!(p.connections_per_shard * 100 <= p.shard_connection_limit * (100 - s.shard.headroom_percent as i64));
         }
 
+        /// Under any ceilings the plan is sound, raises only, and never
+        /// asks for more than a ceiling (or the kernel default above it).
+        #[test]
+        fn node_sysctls_stay_under_any_ceilings(
+            (s, node) in arb_spec(),
+            (nr_open, file_max, tcp_mem, conntrack) in (1i64..=1 << 31, 1i64..=1 << 34, 1i64..=1 << 30, 1i64..=1 << 31),
+        ) {
+            let policy = Policy {
+                sysctl_ceilings: SysctlCeilings { nr_open, file_max, tcp_mem_pages: tcp_mem, nf_conntrack_max: conntrack },
+                ..Policy::default()
+            };
+            let Ok(p) = plan_under(&s, node, &policy) else { return Ok(()); };
+            prop_assert!(check(&s, &p).is_empty(), "violations {:?}", check(&s, &p));
+            let defaults = KernelDefaults::for_node(node.memory_bytes, node.cpus);
+            for (sysctl, value) in &p.sysctls {
+                let d = defaults.value(*sysctl);
+                prop_assert!(value.raises(d), "{sysctl}={value} does not raise {d}");
+                if let Some(c) = super::super::sysctl::ceiling(&policy.sysctl_ceilings, *sysctl) {
+                    for (v, d) in value.components().iter().zip(d.components()) {
+                        prop_assert!(*v <= c.max(d), "{sysctl}={value} above ceiling {c}");
+                    }
+                }
+            }
+            for sysctl in p.sysctls_capped.keys() {
+                prop_assert!(super::super::sysctl::ceiling(&policy.sysctl_ceilings, *sysctl).is_some());
+            }
+        }
+
         #[test]
         fn limiting_factor_is_the_one_that_binds((s, node) in arb_spec()) {
             let Ok(p) = plan(&s, node) else { return Ok(()); };
             if p.limiting_factor == LimitingFactor::MaxShards { return Ok(()); }
             // One more connection per shard at the node's full packing breaks the named limit.
-            let inputs = Inputs::new(&s, validate(&s).unwrap().user_bytes, node);
+            let inputs = Inputs::new(&s, validate(&s).unwrap().user_bytes, node, SysctlCeilings::default());
             let per_shard = p.max_connections_per_shard;
             let v = inputs.violations(per_shard + 1, p.connections_per_node / per_shard, None);
             prop_assert_eq!(v.first().copied(), Some(p.limiting_factor));

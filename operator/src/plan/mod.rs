@@ -7,12 +7,15 @@
 //!   the bundled server;
 //! - [`nodes`]: the node profile (spec values, else the cluster's nodes);
 //! - [`validate`]: what the schema cannot check, parsed once;
-//! - [`sysctl`]: which sysctls a plan raises, under which mode;
+//! - [`sysctl`]: which sysctls a plan raises, under which mode, up to the
+//!   policy's ceilings;
+//! - [`drain`]: how long a departing shard takes, within the policy's bound;
 //! - [`capacity`]: the search for shards and the plan's self-check;
 //! - [`error`]: why no plan could be made.
 
 pub mod bundled;
 pub mod capacity;
+pub mod drain;
 pub mod error;
 pub mod kernel;
 pub mod nodes;
@@ -20,8 +23,8 @@ pub mod sysctl;
 pub mod validate;
 
 pub use capacity::{
-    HOURS_PER_MONTH, SIZE_STEPS, check, nofile_ceiling, plan, raises_own_nofile, size_step,
-    tcp_mem_pressure_pages,
+    HOURS_PER_MONTH, SIZE_STEPS, check, nofile_ceiling, plan, plan_under, raises_own_nofile,
+    size_step, tcp_mem_pressure_pages,
 };
 pub use error::PlanError;
 pub use nodes::NodeFacts;

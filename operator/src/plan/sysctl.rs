@@ -2,8 +2,9 @@
 //! (pure). Names, scopes and values are typed in [`crate::api::sysctl`];
 //! kernel defaults come from [`super::kernel::KernelDefaults`].
 
-use crate::api::sysctl::{Sysctl, SysctlValue, Sysctls};
+use crate::api::sysctl::{Scope, Sysctl, SysctlValue, Sysctls};
 use crate::api::{ConnectionFleetSpec, SysctlMode};
+use crate::policy::SysctlCeilings;
 
 use super::kernel::{self, KernelDefaults};
 
@@ -45,11 +46,40 @@ pub struct NodeLoad {
     pub tracked: bool,
 }
 
+/// The ceiling the policy puts on node-level `sysctl` (`None` for a
+/// namespaced one): for `tcp_mem`, on every component.
+pub fn ceiling(ceilings: &SysctlCeilings, sysctl: Sysctl) -> Option<i64> {
+    match sysctl {
+        Sysctl::TcpMem => Some(ceilings.tcp_mem_pages),
+        Sysctl::NfConntrackMax => Some(ceilings.nf_conntrack_max),
+        Sysctl::FileMax => Some(ceilings.file_max),
+        Sysctl::NrOpen => Some(ceilings.nr_open),
+        Sysctl::Somaxconn | Sysctl::TcpMaxSynBacklog | Sysctl::TcpMigrateReq => None,
+    }
+}
+
+/// `value` with each component at most `ceiling`, but never below the
+/// kernel's `default` one (a raise may be cut, never turned into a lowering).
+fn clamp(value: SysctlValue, default: SysctlValue, ceiling: i64) -> SysctlValue {
+    let cut = |v: i64, d: i64| v.min(ceiling.max(d));
+    match (value, default) {
+        (SysctlValue::One(v), SysctlValue::One(d)) => SysctlValue::One(cut(v, d)),
+        (SysctlValue::Pages(v), SysctlValue::Pages(d)) => {
+            SysctlValue::Pages([cut(v[0], d[0]), cut(v[1], d[1]), cut(v[2], d[2])])
+        }
+        (v, _) => v,
+    }
+}
+
 /// The sysctls the plan applies under the spec's mode (only raises over
-/// the node's kernel defaults) and those it wants but cannot apply.
+/// the node's kernel defaults, node-level ones at most to the policy's
+/// `ceilings`) and those it wants but cannot apply. The capacity model
+/// sizes shards so the load fits under the ceilings; the cut here only
+/// keeps the raise under them whatever the load.
 pub fn plan_sysctls(
     spec: &ConnectionFleetSpec,
     defaults: &KernelDefaults,
+    ceilings: &SysctlCeilings,
     load: NodeLoad,
 ) -> (Sysctls, Vec<Sysctl>) {
     use SysctlValue::{One, Pages};
@@ -89,6 +119,17 @@ pub fn plan_sysctls(
     let mut applied = Sysctls::new();
     let mut not_applied = Vec::new();
     for (sysctl, value) in wants {
+        let value = match (sysctl.scope(), ceiling(ceilings, sysctl)) {
+            (Scope::Node, Some(c)) => {
+                let default = defaults.value(sysctl);
+                let value = clamp(value, default, c);
+                if !value.raises(default) {
+                    continue;
+                }
+                value
+            }
+            _ => value,
+        };
         let ok = match mode {
             SysctlMode::InitContainer => true,
             SysctlMode::PodSecurityContext => {

@@ -111,6 +111,9 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
             spec.server.port
         ));
     }
+    if spec.sysctls.image.is_some() {
+        return bad(crate::api::SYSCTL_IMAGE_REFUSED.into());
+    }
     for name in &spec.sysctls.allowed_unsafe {
         if Sysctl::from_name(name).map(Sysctl::scope) != Some(Scope::Namespaced) {
             return bad(format!(
