@@ -58,7 +58,8 @@ impl Release {
     }
 
     /// The chart's container args, with the metrics address moved to a free
-    /// loopback port (several operators run on this one machine).
+    /// loopback port (several operators run on this one machine) and the
+    /// policy file the pod would mount written from the release's ConfigMap.
     fn args(&self) -> Vec<String> {
         self.deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
             .as_array()
@@ -68,11 +69,29 @@ impl Release {
             .map(|a| {
                 if a.starts_with("--metrics-addr=") {
                     "--metrics-addr=127.0.0.1:0".into()
+                } else if a.starts_with("--policy-file=") {
+                    format!("--policy-file={}", self.policy_file().display())
                 } else {
                     a
                 }
             })
             .collect()
+    }
+
+    /// The release's policy ConfigMap, as the operator pod would see its
+    /// mounted `policy.yaml`, written to `target/e2e-logs/`.
+    fn policy_file(&self) -> PathBuf {
+        let cm = get_json(
+            &self.ns.0,
+            "configmap",
+            &format!("{}-c10m-operator-policy", self.name),
+        )
+        .expect("the chart's policy ConfigMap");
+        let dir = workspace().join("target/e2e-logs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{}-{}-policy.yaml", self.ns.0, self.name));
+        std::fs::write(&path, cm["data"]["policy.yaml"].as_str().unwrap()).unwrap();
+        path
     }
 
     /// Runs the operator as the chart's ServiceAccount with the chart's args.
@@ -546,6 +565,7 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
     );
     for kind in [
         "serviceaccount",
+        "configmap",
         "clusterrole.rbac",
         "clusterrolebinding.rbac",
         "service",
@@ -582,6 +602,56 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
     assert!(!ok && out.contains("logFormat"), "{out}");
     let (ok, out) = template(&["--set", "metrics.port=70000"]);
     assert!(!ok && out.contains("metrics"), "{out}");
+    // The admin's policy too: a grace bound below what a shard needs, an
+    // unknown field.
+    let (ok, out) = template(&["--set", "policy.maxTerminationGracePeriodSeconds=5"]);
+    assert!(
+        !ok && out.contains("maxTerminationGracePeriodSeconds"),
+        "{out}"
+    );
+    let (ok, out) = template(&["--set", "policy.sysctlImge=x"]);
+    assert!(!ok && out.contains("sysctlImge"), "{out}");
+}
+
+/// The admin's policy reaches the operator as a mounted file, and a change
+/// of it rolls the operator (it is read once, at start).
+#[test]
+fn the_policy_is_a_mounted_config_map_and_a_change_rolls_the_operator() {
+    let objs = rendered(&[]);
+    let cm = only(&objs, "ConfigMap");
+    assert_eq!(cm["metadata"]["name"], "c10m-c10m-operator-policy");
+    let policy: serde_yaml::Value =
+        serde_yaml::from_str(cm["data"]["policy.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(policy["maxTerminationGracePeriodSeconds"], 3600);
+    assert_eq!(policy["sysctlCeilings"]["fs.nr_open"], 33554432);
+    assert_eq!(
+        policy["reservedTaints"][0],
+        "node-role.kubernetes.io/control-plane"
+    );
+    let pod = &only(&objs, "Deployment")["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    assert!(
+        container["args"]
+            .as_array()
+            .unwrap()
+            .contains(&"--policy-file=/etc/c10m-operator/policy.yaml".into()),
+        "{container}"
+    );
+    assert_eq!(
+        container["volumeMounts"],
+        serde_json::json!([{"name": "policy", "mountPath": "/etc/c10m-operator", "readOnly": true}])
+    );
+    assert_eq!(
+        pod["volumes"],
+        serde_json::json!([{"name": "policy", "configMap": {"name": "c10m-c10m-operator-policy"}}])
+    );
+    let checksum = |objs: &[Value]| {
+        only(objs, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/policy"]
+            .clone()
+    };
+    let tighter = rendered(&["--set", "policy.maxTerminationGracePeriodSeconds=600"]);
+    assert_ne!(checksum(&objs), checksum(&tighter));
+    assert_eq!(checksum(&objs), checksum(&rendered(&[])));
 }
 
 /// `helm template` of the chart as release `c10m` in `c10m-system`.
