@@ -357,6 +357,14 @@ impl<S: Read + Write> Conn<S> {
         self.meta & PINGED_BIT != 0
     }
 
+    /// Whether the connection is closing: a close frame or error reply is
+    /// queued, and it closes once that is written (no ping may follow it).
+    pub fn closing(&self) -> bool {
+        self.extra
+            .as_deref()
+            .is_some_and(|e| e.close_after.is_some())
+    }
+
     /// Tick at which the unfinished frame this connection holds began to
     /// arrive; `None` if it holds no unfinished frame (upgrade requests are
     /// bounded by the handshake timeout instead).
@@ -1197,6 +1205,13 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         c.ping(&mut b.out, &mut t).unwrap();
         assert!(c.has_unsent());
         assert!(b.out.is_empty());
+        assert!(!c.closing());
+        // A close that is still being written makes the connection closing
+        // (the worker sends no ping after it).
+        let close = ws::client_frame(true, ws::opcode::CLOSE, &1000u16.to_be_bytes(), M);
+        let mut c = fake(&[&close], 0, Phase::Open);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Blocked);
+        assert!(c.closing());
     }
 
     #[test]

@@ -561,7 +561,9 @@ impl Worker {
                 Phase::Open if ping > 0 && c.pinged() && age > ping.saturating_add(pong) => {
                     self.doomed.push((key, CloseReason::PingTimeout));
                 }
-                Phase::Open if ping > 0 && !c.pinged() && age >= ping => self.pings.push(key),
+                Phase::Open if ping > 0 && !c.pinged() && !c.closing() && age >= ping => {
+                    self.pings.push(key);
+                }
                 _ => {}
             }
         }
