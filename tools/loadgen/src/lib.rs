@@ -14,7 +14,7 @@
 //! Source addresses: 127.S.x.y with S = `--source-net` + child index, bound
 //! with `IP_BIND_ADDRESS_NO_PORT` so the kernel picks the port at
 //! `connect()` time and every (source, destination) pair gets the whole
-//! local port range [source: `shared/KERNEL_FACTS.md`].
+//! local port range [source: `docs/KERNEL_FACTS.md`].
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
