@@ -644,41 +644,59 @@ impl Gen {
                 if !c.upgrade.starts_with(b"HTTP/1.1 101") {
                     return self.fail(i, "upgrade", true);
                 }
-                let extra = c.upgrade.len() - end - 4;
+                // A server may send frames right behind its 101 (a draining
+                // server's accept window answers with close 1001 at once):
+                // they are the first bytes of the frame stream.
+                let extra = c.upgrade.split_off(end + 4);
                 self.established(i);
-                // Bytes after the 101 (`extra`) would be unasked frames;
-                // the server sends none, so they are ignored.
-                let _ = extra;
+                if !extra.is_empty() && self.on_frames(i, &extra) {
+                    return;
+                }
                 continue;
             }
-            if self.args.protocol == Mode::Websocket && c.got == 0 && data[0] == 0x88 {
-                let code = if n >= 4 {
-                    u16::from_be_bytes([data[2], data[3]]).to_string()
-                } else {
-                    "none".into()
-                };
-                *self.report.goodbyes.entry(code).or_default() += 1;
-                self.report.closed_by_server += 1;
-                return self.fail(i, "goodbye", false);
-            }
-            let want = match self.args.protocol {
-                Mode::Echo => PING_BYTES,
-                Mode::Websocket => PING_BYTES + 2,
-            };
-            if let Some(at) = c.ping_at {
-                c.got += n;
-                if c.got >= want {
-                    let us = at.elapsed().as_micros().clamp(1, u128::from(MAX_RTT_US)) as u64;
-                    let _ = self.hist.record(us);
-                    if let Some(w) = self.windows.get_mut(self.window) {
-                        let _ = w.record(us);
-                    }
-                    self.report.pongs += 1;
-                    c.ping_at = None;
-                    c.got = 0;
-                }
+            if self.on_frames(i, data) {
+                return;
             }
         }
+    }
+
+    /// Bytes of client `i`'s frame stream (echo bytes, or WebSocket frames):
+    /// a close frame as the first bytes is the server's goodbye, counted by
+    /// its code; otherwise they count towards the pending ping's echo.
+    /// True when the connection is gone.
+    fn on_frames(&mut self, i: usize, data: &[u8]) -> bool {
+        let n = data.len();
+        let c = &mut self.clients[i];
+        if self.args.protocol == Mode::Websocket && c.got == 0 && data[0] == 0x88 {
+            let code = if n >= 4 {
+                u16::from_be_bytes([data[2], data[3]]).to_string()
+            } else {
+                "none".into()
+            };
+            *self.report.goodbyes.entry(code).or_default() += 1;
+            self.report.closed_by_server += 1;
+            self.fail(i, "goodbye", false);
+            return true;
+        }
+        let want = match self.args.protocol {
+            Mode::Echo => PING_BYTES,
+            Mode::Websocket => PING_BYTES + 2,
+        };
+        if let Some(at) = c.ping_at {
+            c.got += n;
+            if c.got >= want {
+                let us = at.elapsed().as_micros().clamp(1, u128::from(MAX_RTT_US)) as u64;
+                let _ = self.hist.record(us);
+                if let Some(w) = self.windows.get_mut(self.window) {
+                    let _ = w.record(us);
+                }
+                self.report.pongs += 1;
+                let c = &mut self.clients[i];
+                c.ping_at = None;
+                c.got = 0;
+            }
+        }
+        false
     }
 
     fn ping_one(&mut self) -> bool {
