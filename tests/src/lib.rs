@@ -45,8 +45,9 @@ pub fn kubeconfig() -> PathBuf {
     path
 }
 
-/// Runs kubectl with the test kubeconfig and optional stdin.
-pub fn kubectl_with(args: &[&str], stdin: Option<&str>) -> Output {
+/// kubectl with the test kubeconfig, started with `stdin` written to it
+/// (then closed) and its output piped.
+fn spawn_kubectl(args: &[&str], stdin: Option<&str>) -> std::process::Child {
     let mut child = Command::new("kubectl")
         .args(args)
         .env("KUBECONFIG", kubeconfig())
@@ -67,7 +68,12 @@ pub fn kubectl_with(args: &[&str], stdin: Option<&str>) -> Output {
             .write_all(input.as_bytes())
             .unwrap();
     }
-    child.wait_with_output().unwrap()
+    child
+}
+
+/// Runs kubectl with the test kubeconfig and optional stdin.
+pub fn kubectl_with(args: &[&str], stdin: Option<&str>) -> Output {
+    spawn_kubectl(args, stdin).wait_with_output().unwrap()
 }
 
 /// Runs kubectl and returns stdout; panics with stderr on failure.
@@ -86,26 +92,7 @@ pub fn kubectl(args: &[&str]) -> String {
 /// and `None` returned. Stdout and stderr are read on their own threads, so
 /// a chatty kubectl never blocks on a full pipe.
 pub fn kubectl_within(args: &[&str], stdin: Option<&str>, timeout: Duration) -> Option<Output> {
-    let mut child = Command::new("kubectl")
-        .args(args)
-        .env("KUBECONFIG", kubeconfig())
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kubectl is installed");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    }
+    let mut child = spawn_kubectl(args, stdin);
     let read = |mut r: Box<dyn std::io::Read + Send>| {
         std::thread::spawn(move || {
             let mut buf = Vec::new();
