@@ -440,7 +440,7 @@ mod tests {
                 .iter()
                 .map(|(name, ready, _)| ShardPod {
                     name: name.to_string(),
-                    ip: Some(format!("10.0.0.{}", name.len())),
+                    ip: Some(format!("127.1.1.{}", name.len())),
                     ready: *ready,
                     running: true,
                     active: true,
@@ -805,7 +805,7 @@ mod tests {
                     count: 400,
                     rate: 100
                 },
-                ip: Some("10.0.0.1".into()),
+                ip: Some("127.1.1.1".into()),
             }]
         );
         assert!(d.outcome.events.is_empty(), "announced once sent");
@@ -1044,7 +1044,7 @@ mod tests {
             .enumerate()
             .map(|(n, (state, ip, _))| ShardPod {
                 name: format!("p{n}"),
-                ip: ip.then(|| format!("10.0.0.{n}")),
+                ip: ip.then(|| format!("127.1.1.{n}")),
                 ready: *state == 0,
                 running: *state <= 1,
                 active: *state <= 2,

@@ -182,7 +182,7 @@ mod tests {
             "metadata": meta,
             "status": {
                 "phase": phase,
-                "podIP": "10.0.0.7",
+                "podIP": "127.1.1.7",
                 "conditions": [{"type": "Ready", "status": ready}],
             },
         }))
@@ -229,7 +229,7 @@ mod tests {
             p,
             ShardPod {
                 name: "p".into(),
-                ip: Some("10.0.0.7".into()),
+                ip: Some("127.1.1.7".into()),
                 ready: true,
                 running: true,
                 active: true,

@@ -108,7 +108,7 @@ fn pods(unready: &[&str]) -> Vec<ShardPod> {
         .enumerate()
         .map(|(n, name)| ShardPod {
             name: name.to_string(),
-            ip: Some(format!("10.0.0.{n}")),
+            ip: Some(format!("127.1.1.{n}")),
             ready: !unready.contains(name),
             running: true,
             active: true,
