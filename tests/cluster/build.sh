@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries from Go modules and caches them
-# outside the repo, keyed by a hash of go.sum and this script:
-#   kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes, see go.mod)
+# outside the repo, keyed by a hash of go.sum, go.mod, env.sh, node/pause.c,
+# node/mkimage.sh and this script:
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubelet (k8s.io/kubernetes, see go.mod)
 #   etcd (go.etcd.io/etcd/server/v3/etcdmain, cmd/etcd)
 #   kwok (sigs.k8s.io/kwok/cmd/kwok) and helm (helm.sh/helm/v3/cmd/helm)
+#   pause (node/pause.c, gcc -static) and pause-image.tar, the real node's
+#     sandbox image $C10M_PAUSE_IMAGE (an OCI archive, node/mkimage.sh)
 # Prints the cache directory holding the binaries on its last line.
 # A warm cache returns at once; every binary's version is checked either way.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/env.sh"
 
-key=$(cat "$here/go.sum" "$here/go.mod" "$here/build.sh" "$here/env.sh" | sha256sum | cut -c1-16)
+key=$(cat "$here/go.sum" "$here/go.mod" "$here/build.sh" "$here/env.sh" "$here/node/pause.c" "$here/node/mkimage.sh" |
+  sha256sum | cut -c1-16)
 bin="$C10M_CACHE/bin/$key"
 
 # Outputs are captured before matching: `cmd | grep -q` under pipefail fails
 # at random when grep exits before cmd has written everything (SIGPIPE).
 check_versions() {
   local c v
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
     v=$("$bin/$c" --version) && [[ $v == "Kubernetes $K8S_VERSION" ]] || return 1
   done
   v=$("$bin/etcd" --version) && [[ $v == *"etcd Version: ${ETCD_VERSION#v}"* ]] || return 1
   v=$("$bin/kwok" --version) && [[ $v == *"${KWOK_VERSION#v}"* ]] || return 1
   v=$("$bin/helm" version --template '{{.Version}}') && [[ $v == "$HELM_VERSION" ]] || return 1
+  [[ -x "$bin/pause" && -s "$bin/pause-image.tar" ]] || return 1
 }
 
 mkdir -p "$C10M_CACHE/bin"
@@ -35,6 +40,7 @@ if [ -f "$bin/.complete" ] && check_versions 2>/dev/null; then
   exit 0
 fi
 
+command -v gcc >/dev/null || { echo "build.sh: gcc not found (needed for the node's pause binary); run $here/install-deps.sh" >&2; exit 1; }
 mkdir -p "$bin.tmp"
 start=$(date +%s)
 cd "$here"
@@ -42,7 +48,7 @@ ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION \
   -X k8s.io/component-base/version.gitMajor=${K8S_MAJOR} -X k8s.io/component-base/version.gitMinor=${K8S_MINOR} \
   -X k8s.io/component-base/version.gitTreeState=clean \
   -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
-for cmd in kube-apiserver kube-controller-manager kube-scheduler; do
+for cmd in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
   echo "building $cmd $K8S_VERSION" >&2
   go build -trimpath -ldflags "$ldflags" -o "$bin.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd"
 done
@@ -51,6 +57,9 @@ go build -trimpath -ldflags "-s -w" -o "$bin.tmp/etcd" ./cmd/etcd
 echo "installing kwok $KWOK_VERSION and helm $HELM_VERSION" >&2
 GOBIN="$bin.tmp" go install -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 GOBIN="$bin.tmp" go install -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+echo "building pause and $C10M_PAUSE_IMAGE" >&2
+gcc -static -O2 -s -o "$bin.tmp/pause" "$here/node/pause.c"
+"$here/node/mkimage.sh" "$bin.tmp/pause-image.tar" "$C10M_PAUSE_IMAGE" 65535:65535 /pause "$bin.tmp/pause:/pause"
 rm -rf "$bin"
 mv "$bin.tmp" "$bin"
 check_versions || { echo "build.sh: a built binary reports the wrong version" >&2; exit 1; }
