@@ -493,10 +493,30 @@ pub struct NodeProfile {
     pub conntrack: Option<bool>,
 
     /// Hard RLIMIT_NOFILE a container gets from the node's container runtime
-    /// (containerd 2.x inherits systemd's 524288). Caps connections per shard.
+    /// (containerd 2.x inherits systemd's 524288). Caps connections per shard
+    /// unless the server raises its own limit (`sysResource`). In a cluster
+    /// the plan uses the smaller of this and the nodes' label
+    /// `c10m.dev/nofile-hard-limit`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1024, max = 1_073_741_816))]
     pub nofile_hard_limit: Option<i64>,
+
+    /// The node's runtime can give a container CAP_SYS_RESOURCE (the bundled
+    /// server then raises its own hard RLIMIT_NOFILE in InitContainer mode).
+    /// Default true; false on nodes labelled `c10m.dev/sys-resource:
+    /// unavailable`, whatever this says. false: nofile is bound by
+    /// `nofileHardLimit`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sys_resource: Option<bool>,
+
+    /// A privileged container on the node can enter the host's network
+    /// namespace, so InitContainer mode raises node-level sysctls
+    /// (`tcp_mem`, `nf_conntrack_max`, `fs.file-max`, `fs.nr_open`).
+    /// Default true; false on nodes labelled
+    /// `c10m.dev/host-network-namespace: unavailable`, whatever this says.
+    /// false: the plan fits the kernel's defaults for those.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_network_namespace: Option<bool>,
 }
 
 /// Pattern of a memory quantity without a sign, with bounded parts: at most

@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use c10m_operator::api::{self, ConnectionFleet};
 use c10m_operator::plan::nodes;
-use c10m_operator::plan::{self, NodeFacts};
+use c10m_operator::plan::{self, NodeFacts, NodeRuntime};
 use c10m_operator::policy::Policy;
 use c10m_operator::{controller, table};
 
@@ -142,6 +142,7 @@ fn plan_offline(
                 .with_context(|| format!("--node-memory {m:?} is not a quantity"))?,
             cpus: c,
             pods: nodes::DEFAULT_MAX_PODS,
+            runtime: NodeRuntime::UNKNOWN,
         }),
         (None, None) => None,
         _ => bail!("--node-memory and --node-cpus go together"),

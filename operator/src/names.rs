@@ -25,6 +25,27 @@ pub const PAUSE_ANNOTATION: &str = "c10m.dev/autoscaling-paused";
 /// first on scale-in (lower cost goes first; Kubernetes ≥ 1.22).
 pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
+/// Node label: the hard RLIMIT_NOFILE, in descriptors, that containers on
+/// the node inherit from its container runtime (containerd passes its own
+/// limit on: `LimitNOFILE` of its unit, 524,288 with containerd 2.x). A
+/// decimal integer; the plan's nodes get the smallest value any of them
+/// carries. Set by the node's admin (tests/cluster/node.sh measures it).
+pub const NODE_NOFILE_HARD_LIMIT_LABEL: &str = "c10m.dev/nofile-hard-limit";
+
+/// Node label: [`UNAVAILABLE`] when the node's runtime cannot give a
+/// container CAP_SYS_RESOURCE (no process under the node's init holds it in
+/// its bounding set; runc then refuses `capabilities.add: [SYS_RESOURCE]`
+/// with "unable to apply caps: operation not permitted").
+pub const NODE_SYS_RESOURCE_LABEL: &str = "c10m.dev/sys-resource";
+
+/// Node label: [`UNAVAILABLE`] when a privileged container cannot enter the
+/// host's network namespace (opening `/proc/1/ns/net` is refused), so the
+/// init container cannot raise node-level sysctls.
+pub const NODE_HOST_NETWORK_NAMESPACE_LABEL: &str = "c10m.dev/host-network-namespace";
+
+/// Value of the node-fact labels that says the node cannot do the thing.
+pub const UNAVAILABLE: &str = "unavailable";
+
 /// Name of the privileged init container that applies sysctls.
 pub const SYSCTL_INIT_CONTAINER: &str = "sysctls";
 

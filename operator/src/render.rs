@@ -22,7 +22,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use c10m_wire::{admin, env as wire_env, sysctl_tool};
 
 use crate::api::sysctl::Scope;
-use crate::api::{BackendModel, ConnectionFleet, Plan, SysctlMode};
+use crate::api::{BackendModel, ConnectionFleet, ConnectionFleetSpec, Plan, SysctlMode};
 use crate::names::{
     CONNECTION_PORT_NAME, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels, secret_name, selector,
 };
@@ -55,6 +55,63 @@ fn env(name: &str, value: impl ToString) -> EnvVar {
     EnvVar {
         name: name.into(),
         value: Some(value.to_string()),
+        ..Default::default()
+    }
+}
+
+/// uid the bundled server serves as (the image's `USER`; distroless's
+/// `nonroot`).
+pub const SERVER_UID: i64 = 65532;
+
+/// gid the bundled server serves as. Set explicitly: `runAsUser` alone in a
+/// FROM-scratch image (no /etc/passwd) gives the process gid 0, measured
+/// on a real kubelet + containerd (tests/cluster/README.md, real node).
+pub const SERVER_GID: i64 = 65532;
+
+/// True when the bundled server's container starts as root and drops to
+/// [`SERVER_UID`]:[`SERVER_GID`] itself (`C10M_RUN_AS`): InitContainer mode,
+/// whose pods are privileged already. Kubernetes sets no ambient
+/// capabilities (kubernetes#56374), so a container started as uid 65532
+/// loses every added capability at `execve`; started as root it keeps
+/// them, raises its hard RLIMIT_NOFILE, and gives them all up when it
+/// switches uid, before it opens a socket (docs/adr/0008).
+pub fn starts_as_root(spec: &ConnectionFleetSpec) -> bool {
+    spec.backend.model == BackendModel::Epoll && spec.sysctls.mode == SysctlMode::InitContainer
+}
+
+/// The bundled server container's security context. Starting as root
+/// ([`starts_as_root`]): capabilities SETUID and SETGID to switch to
+/// [`SERVER_UID`]:[`SERVER_GID`], plus SYS_RESOURCE where the plan has the
+/// server raise its own nofile (`plan.serverRaisesNofile`: only on nodes
+/// that can grant it; a runtime asked for a capability it cannot grant
+/// never starts the container). Otherwise uid/gid 65532 with no
+/// capabilities. Always no privilege escalation and a read-only root.
+fn server_security_context(spec: &ConnectionFleetSpec, plan: &Plan) -> SecurityContext {
+    let root = starts_as_root(spec);
+    let add: Vec<String> = if root {
+        let mut caps = vec!["SETUID".to_string(), "SETGID".to_string()];
+        if plan.server_raises_nofile {
+            caps.push("SYS_RESOURCE".into());
+        }
+        caps
+    } else {
+        vec![]
+    };
+    let (uid, gid) = if root {
+        (0, 0)
+    } else {
+        (SERVER_UID, SERVER_GID)
+    };
+    SecurityContext {
+        run_as_non_root: Some(!root),
+        run_as_user: Some(uid),
+        run_as_group: Some(gid),
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            add: (!add.is_empty()).then_some(add),
+        }),
         ..Default::default()
     }
 }
@@ -127,6 +184,9 @@ pub fn render(
         }),
         ..Default::default()
     });
+    if starts_as_root(spec) {
+        env_vars.push(env(wire_env::RUN_AS, format!("{SERVER_UID}:{SERVER_GID}")));
+    }
     if spec.backend.model == BackendModel::Goroutine {
         env_vars.push(env("GOMAXPROCS", plan.cpus));
         env_vars.push(env(
@@ -177,21 +237,7 @@ pub fn render(
         }),
         readiness_probe: Some(health(1)),
         liveness_probe: Some(health(10)),
-        // The bundled server runs unprivileged; with the plan's sysctls it
-        // keeps only CAP_SYS_RESOURCE, to raise its hard RLIMIT_NOFILE to the
-        // plan's nofile (up to fs.nr_open). Users' images keep their defaults.
-        security_context: bundled.then(|| SecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(65532),
-            run_as_group: Some(65532),
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                add: plan::raises_own_nofile(spec).then(|| vec!["SYS_RESOURCE".into()]),
-            }),
-            ..Default::default()
-        }),
+        security_context: bundled.then(|| server_security_context(spec, plan)),
         ..Default::default()
     };
 
@@ -219,11 +265,9 @@ pub fn render(
         });
 
     let pod = PodSpec {
-        init_containers: init_containers.clone(),
-        containers: vec![server_container],
-        volumes: init_containers.map(|_| {
+        volumes: (init_containers.is_some() && raises_node_sysctls(plan)).then(|| {
             vec![Volume {
-                name: "host-proc".into(),
+                name: HOST_PROC_VOLUME.into(),
                 host_path: Some(HostPathVolumeSource {
                     path: "/proc".into(),
                     type_: Some("Directory".into()),
@@ -231,6 +275,8 @@ pub fn render(
                 ..Default::default()
             }]
         }),
+        init_containers,
+        containers: vec![server_container],
         security_context: pod_sysctls,
         node_selector: (!spec.placement.node_selector.is_empty())
             .then(|| spec.placement.node_selector.clone()),
@@ -334,12 +380,20 @@ pub fn render(
 /// The privileged init container: `c10m-sysctl --set` for namespaced
 /// sysctls (inside the pod's netns) and `--raise-node` for node-level ones
 /// (entered through the host's /proc; raise-only, never lowers).
+/// The host's /proc is mounted (read-only, as volume [`HOST_PROC_VOLUME`])
+/// only where the plan raises a node-level sysctl.
 fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
-    let mut args = vec![format!(
-        "{}={}",
-        sysctl_tool::HOST_PROC_FLAG,
-        sysctl_tool::HOST_PROC_MOUNT
-    )];
+    let host_proc = raises_node_sysctls(plan);
+    let mut args: Vec<String> = host_proc
+        .then(|| {
+            format!(
+                "{}={}",
+                sysctl_tool::HOST_PROC_FLAG,
+                sysctl_tool::HOST_PROC_MOUNT
+            )
+        })
+        .into_iter()
+        .collect();
     for (sysctl, value) in &plan.sysctls {
         let flag = match sysctl.scope() {
             Scope::Node => sysctl_tool::RAISE_NODE_FLAG,
@@ -368,14 +422,25 @@ fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
             run_as_non_root: Some(false),
             ..Default::default()
         }),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "host-proc".into(),
-            mount_path: sysctl_tool::HOST_PROC_MOUNT.into(),
-            read_only: Some(true),
-            ..Default::default()
-        }]),
+        volume_mounts: host_proc.then(|| {
+            vec![VolumeMount {
+                name: HOST_PROC_VOLUME.into(),
+                mount_path: sysctl_tool::HOST_PROC_MOUNT.into(),
+                read_only: Some(true),
+                ..Default::default()
+            }]
+        }),
         ..Default::default()
     }
+}
+
+/// Name of the volume holding the host's /proc in the init container.
+const HOST_PROC_VOLUME: &str = "host-proc";
+
+/// True when `plan` raises a node-level sysctl (the init container then
+/// enters the host's network namespace through its /proc).
+fn raises_node_sysctls(plan: &Plan) -> bool {
+    plan.sysctls.keys().any(|s| s.scope() == Scope::Node)
 }
 
 #[cfg(test)]
@@ -392,10 +457,11 @@ mod tests {
         memory_bytes: 256 << 30,
         cpus: 64,
         pods: 110,
+        runtime: crate::plan::NodeRuntime::UNKNOWN,
     };
 
     /// Every `C10M_*` name of the contract, from `c10m_wire::env`.
-    const WIRE_ENV: [&str; 24] = [
+    const WIRE_ENV: [&str; 25] = [
         wire_env::BIND,
         wire_env::PORT,
         wire_env::METRICS_PORT,
@@ -420,6 +486,7 @@ mod tests {
         wire_env::PARTIAL_BUDGET_BYTES,
         wire_env::WS_PING_SECS,
         wire_env::WS_PONG_TIMEOUT_SECS,
+        wire_env::RUN_AS,
     ];
 
     struct Case {
@@ -445,7 +512,8 @@ mod tests {
     /// [`case`] under `policy`.
     fn case_under(spec: serde_json::Value, policy: &Policy) -> Case {
         let fleet = fleet(spec);
-        let plan = plan::plan_under(&fleet.spec, NODE, policy).unwrap();
+        let node = plan::nodes::resolve(&fleet.spec, Some(NODE)).unwrap();
+        let plan = plan::plan_under(&fleet.spec, node, policy).unwrap();
         let owner = fleet.controller_owner_ref(&()).unwrap();
         let out = render(&fleet, &plan, owner.clone(), plan.shards, policy);
         Case {
@@ -493,36 +561,100 @@ mod tests {
         (caps.drop.unwrap_or_default(), caps.add)
     }
 
+    /// Issue 9: a container started as uid 65532 loses added capabilities
+    /// at execve (no ambient set), so in InitContainer mode the server
+    /// starts as root with only what the switch and the raise need, and
+    /// drops to 65532:65532 itself (`C10M_RUN_AS`).
     #[test]
-    fn epoll_runs_unprivileged_and_keeps_sys_resource_only_in_init_container_mode() {
+    fn epoll_starts_as_root_and_drops_itself_in_init_container_mode() {
         let c = case(json!({"connections": 1_000_000}));
-        let sc = server(&c.out).security_context.clone().unwrap();
-        assert_eq!(sc.run_as_non_root, Some(true));
-        assert_eq!(sc.run_as_user, Some(65532));
+        let s = server(&c.out);
+        let sc = s.security_context.clone().unwrap();
+        assert_eq!(
+            (sc.run_as_user, sc.run_as_group, sc.run_as_non_root),
+            (Some(0), Some(0), Some(false))
+        );
         assert_eq!(sc.allow_privilege_escalation, Some(false));
         assert_eq!(sc.read_only_root_filesystem, Some(true));
         assert_eq!(sc.privileged, None);
+        assert!(c.plan.server_raises_nofile);
         assert_eq!(
-            caps(server(&c.out)),
+            caps(s),
             (
                 vec!["ALL".to_string()],
-                Some(vec!["SYS_RESOURCE".to_string()])
+                Some(vec![
+                    "SETUID".to_string(),
+                    "SETGID".to_string(),
+                    "SYS_RESOURCE".to_string()
+                ])
             )
         );
+        assert_eq!(env_value(s, wire_env::RUN_AS), Some("65532:65532"));
+
+        // A node that cannot grant CAP_SYS_RESOURCE: never asked for (the
+        // runtime would refuse to start the container), nofile fits the
+        // node's hard limit, and the server still drops to 65532.
+        let c = case(
+            json!({"connections": 1_000_000, "node": {"sysResource": false, "nofileHardLimit": 20000}}),
+        );
+        let s = server(&c.out);
+        assert!(!c.plan.server_raises_nofile);
+        assert_eq!(c.plan.node_nofile_hard_limit, 20_000);
+        assert!(c.plan.nofile <= 20_000, "nofile {}", c.plan.nofile);
+        assert_eq!(
+            caps(s),
+            (
+                vec!["ALL".to_string()],
+                Some(vec!["SETUID".to_string(), "SETGID".to_string()])
+            )
+        );
+        assert_eq!(env_value(s, wire_env::RUN_AS), Some("65532:65532"));
+
         for mode in ["PodSecurityContext", "None"] {
             let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": mode}}));
-            let sc = server(&c.out).security_context.as_ref().unwrap();
+            let s = server(&c.out);
+            let sc = s.security_context.as_ref().unwrap();
             assert_eq!(
-                (sc.run_as_non_root, sc.run_as_user),
-                (Some(true), Some(65532)),
+                (sc.run_as_non_root, sc.run_as_user, sc.run_as_group),
+                (Some(true), Some(65532), Some(65532)),
                 "{mode}"
             );
             assert_eq!(
-                caps(server(&c.out)),
+                caps(s),
                 (vec!["ALL".to_string()], None),
                 "{mode}: no capability is added back"
             );
+            assert_eq!(env_value(s, wire_env::RUN_AS), None, "{mode}");
         }
+    }
+
+    /// A node whose init container cannot enter the host's network
+    /// namespace: the plan raises no node-level sysctl (the init container
+    /// would crash-loop on `--raise-node`), only namespaced ones.
+    #[test]
+    fn a_node_without_the_host_netns_gets_no_node_level_raise() {
+        let big = json!({"connections": 10_000_000, "backend": {"queuedPercent": 100}});
+        let c = case(big.clone());
+        assert!(c.plan.sysctls.keys().any(|s| s.scope() == Scope::Node));
+        let mut closed = big;
+        closed["node"] = json!({"hostNetworkNamespace": false});
+        let c = case(closed);
+        assert!(
+            c.plan
+                .sysctls
+                .keys()
+                .all(|s| s.scope() == Scope::Namespaced),
+            "{:?}",
+            c.plan.sysctls
+        );
+        let init = &pod(&c.out).init_containers.as_ref().unwrap()[0];
+        let args = init.args.as_ref().unwrap();
+        assert!(
+            !args
+                .iter()
+                .any(|a| a.starts_with(sysctl_tool::RAISE_NODE_FLAG)),
+            "{args:?}"
+        );
     }
 
     #[test]
@@ -648,7 +780,7 @@ mod tests {
                 "{spec}"
             );
         }
-        let c = case(json!({"connections": 1_000_000}));
+        let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": "PodSecurityContext"}}));
         let sc = server(&c.out).security_context.clone().unwrap();
         assert_eq!(
             (sc.run_as_user, sc.run_as_group, sc.run_as_non_root),

@@ -618,6 +618,7 @@ mod tests {
                 memory_bytes: 256 << 30,
                 cpus: 64,
                 pods: 110,
+                runtime: crate::plan::NodeRuntime::UNKNOWN,
             },
         )
         .unwrap()
@@ -706,6 +707,7 @@ mod tests {
                 memory_bytes: 256 << 30,
                 cpus: 64,
                 pods: 110,
+                runtime: crate::plan::NodeRuntime::UNKNOWN,
             },
         )
         .unwrap()
@@ -977,6 +979,7 @@ mod tests {
             memory_bytes: 256 << 30,
             cpus: 64,
             pods: 110,
+            runtime: crate::plan::NodeRuntime::UNKNOWN,
         };
         let p = crate::plan::plan_under(&spec, node, &policy).unwrap();
         let s1 = next_status(None, 1, 10_000_000, &rolled_out(&p), &t(1));

@@ -124,9 +124,16 @@ fn fleet_is_planned_deployed_replanned_and_deleted() {
         env_of(server, "C10M_NOFILE"),
         Some(plan["nofile"].to_string())
     );
+    // ADR 0008: starts as root with what the raise and the switch need,
+    // then drops to 65532:65532 itself.
     assert_eq!(
-        server["securityContext"]["capabilities"]["add"][0],
-        "SYS_RESOURCE"
+        server["securityContext"]["capabilities"]["add"],
+        serde_json::json!(["SETUID", "SETGID", "SYS_RESOURCE"])
+    );
+    assert_eq!(server["securityContext"]["runAsUser"], 0);
+    assert_eq!(
+        env_of(server, "C10M_RUN_AS").as_deref(),
+        Some("65532:65532")
     );
 
     let pods: Value = serde_json::from_str(&kubectl(&[

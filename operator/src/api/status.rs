@@ -93,6 +93,18 @@ pub struct Plan {
     pub workers: i32,
     /// RLIMIT_NOFILE each shard needs: its connection cap plus its reserve.
     pub nofile: i64,
+    /// Hard RLIMIT_NOFILE a container inherits on the plan's nodes, in
+    /// descriptors: the smaller of `spec.node.nofileHardLimit` and the
+    /// nodes' `c10m.dev/nofile-hard-limit` label, else 524,288
+    /// (containerd 2.x). Binds `nofile` unless `serverRaisesNofile`.
+    #[serde(default)]
+    pub node_nofile_hard_limit: i64,
+    /// The bundled server starts with CAP_SYS_RESOURCE, raises its hard
+    /// RLIMIT_NOFILE to `nofile`, then drops to uid/gid 65532 with no
+    /// capabilities before it serves (InitContainer mode, on nodes that can
+    /// grant the capability). false: `nofile` fits `nodeNofileHardLimit`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub server_raises_nofile: bool,
     /// Listen backlog the shard gets (min of the requested backlog and somaxconn).
     pub listen_backlog: i64,
     /// What limits connections per node.

@@ -889,6 +889,7 @@ mod tests {
                 memory_bytes: 256 << 30,
                 cpus: 64,
                 pods: 110,
+                runtime: crate::plan::NodeRuntime::UNKNOWN,
             },
         )
         .unwrap();

@@ -121,7 +121,7 @@ proptest! {
         // Values the schema admits always deserialize.
         let spec: ConnectionFleetSpec = serde_json::from_value(value.clone())
             .unwrap_or_else(|e| panic!("{e}: {value}"));
-        let observed = NodeFacts { memory_bytes: 256 << 30, cpus: 64, pods: 110 };
+        let observed = NodeFacts { memory_bytes: 256 << 30, cpus: 64, pods: 110, runtime: crate::plan::NodeRuntime::UNKNOWN };
         let node = match nodes::resolve(&spec, Some(observed)) {
             Ok(node) => node,
             Err(e) => {

@@ -20,6 +20,7 @@ use crate::policy::{Policy, SysctlCeilings};
 use super::bundled::partial_budget_bytes;
 use super::drain;
 use super::kernel::*;
+use super::nodes::NodeRuntime;
 use super::sysctl::{FILE_MAX_SYSTEM_RESERVE, NodeLoad, plan_sysctls};
 use super::validate::validate;
 use super::{NodeFacts, PlanError};
@@ -28,27 +29,38 @@ use super::{NodeFacts, PlanError};
 /// `spec.connections`).
 const SEARCH_CEILING: i64 = crate::api::MAX_CONNECTIONS;
 
-/// Most file descriptors one shard process can get. The bundled server in
-/// InitContainer mode holds CAP_SYS_RESOURCE and raises its hard
-/// RLIMIT_NOFILE itself, up to `fs.nr_open`, which the init container raises:
-/// its ceiling is [`NR_OPEN_MAX`]. Any other server keeps the hard limit of the
-/// node's container runtime (`spec.node.nofileHardLimit`, default
+/// Most file descriptors one shard process can get on a node with `runtime`.
+/// The bundled server in InitContainer mode, where the node can grant
+/// CAP_SYS_RESOURCE, raises its hard RLIMIT_NOFILE itself, up to
+/// `fs.nr_open`, which the init container raises: its ceiling is
+/// [`NR_OPEN_MAX`]. Any other server keeps the hard limit of the node's
+/// container runtime (`runtime.nofile_hard_limit`, default
 /// [`DEFAULT_NOFILE_HARD_LIMIT`]).
-pub fn nofile_ceiling(spec: &ConnectionFleetSpec) -> i64 {
-    if raises_own_nofile(spec) {
+pub fn nofile_ceiling(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> i64 {
+    if raises_own_nofile(spec, runtime) {
         NR_OPEN_MAX
     } else {
-        spec.node
-            .as_ref()
-            .and_then(|n| n.nofile_hard_limit)
+        runtime
+            .nofile_hard_limit
             .unwrap_or(DEFAULT_NOFILE_HARD_LIMIT)
     }
 }
 
-/// True when the shard server raises its own hard RLIMIT_NOFILE (the bundled
-/// server, given CAP_SYS_RESOURCE in InitContainer mode).
-pub fn raises_own_nofile(spec: &ConnectionFleetSpec) -> bool {
-    spec.backend.model == BackendModel::Epoll && spec.sysctls.mode == SysctlMode::InitContainer
+/// True when the shard server raises its own hard RLIMIT_NOFILE: the
+/// bundled server in InitContainer mode on nodes whose runtime can give it
+/// CAP_SYS_RESOURCE (it drops to an unprivileged uid/gid right after).
+pub fn raises_own_nofile(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> bool {
+    spec.backend.model == BackendModel::Epoll
+        && spec.sysctls.mode == SysctlMode::InitContainer
+        && runtime.sys_resource
+}
+
+/// True when the plan raises node-level sysctls (`tcp_mem`,
+/// `nf_conntrack_max`, `fs.file-max`, `fs.nr_open`): InitContainer mode on
+/// nodes where its init container can enter the host's network namespace.
+/// Otherwise the plan fits the kernel's defaults for them.
+pub fn raises_node_sysctls(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> bool {
+    spec.sysctls.mode == SysctlMode::InitContainer && runtime.host_network_namespace
 }
 
 /// Resolved inputs of the model.
@@ -339,6 +351,7 @@ pub fn plan_under(
     );
     let (sysctls, sysctls_not_applied) = plan_sysctls(
         spec,
+        inputs.raise_node_sysctls,
         &inputs.defaults,
         &inputs.ceilings,
         NodeLoad {
@@ -377,6 +390,11 @@ pub fn plan_under(
         cpus: cpus as i32,
         workers: cpus as i32,
         nofile,
+        node_nofile_hard_limit: node
+            .runtime
+            .nofile_hard_limit
+            .unwrap_or(DEFAULT_NOFILE_HARD_LIMIT),
+        server_raises_nofile: raises_own_nofile(spec, &node.runtime),
         listen_backlog,
         limiting_factor,
         sysctls,
@@ -431,6 +449,12 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
         memory_bytes: plan.node_memory_bytes,
         cpus: plan.node_cpus as i64,
         pods: i64::MAX,
+        runtime: NodeRuntime {
+            nofile_hard_limit: Some(plan.node_nofile_hard_limit),
+            sys_resource: plan.server_raises_nofile,
+            // Unused: the plan's own sysctls are checked.
+            host_network_namespace: true,
+        },
     };
     let Ok(valid) = validate(spec) else {
         return vec![];
@@ -469,11 +493,11 @@ impl Inputs {
             headroom: spec.shard.headroom_percent as i64,
             cpus,
             fd_reserve: fd_reserve(cpus),
-            nofile_hard: nofile_ceiling(spec),
+            nofile_hard: nofile_ceiling(spec, &node.runtime),
             connections_per_cpu: spec.backend.connections_per_cpu,
             queued_percent: spec.backend.queued_percent as i64,
             tracked,
-            raise_node_sysctls: spec.sysctls.mode == SysctlMode::InitContainer,
+            raise_node_sysctls: raises_node_sysctls(spec, &node.runtime),
             node,
             defaults: KernelDefaults::for_node(node.memory_bytes, node.cpus),
             ceilings,
@@ -491,6 +515,7 @@ mod tests {
         memory_bytes: 256 << 30,
         cpus: 64,
         pods: 110,
+        runtime: crate::plan::NodeRuntime::UNKNOWN,
     };
 
     fn spec(v: serde_json::Value) -> ConnectionFleetSpec {
@@ -673,6 +698,7 @@ mod tests {
             memory_bytes: 8 << 30,
             cpus: 64,
             pods: 110,
+            runtime: crate::plan::NodeRuntime::UNKNOWN,
         };
         let p = plan(&s, small).unwrap();
         assert_eq!(p.limiting_factor, LimitingFactor::TcpMem);
@@ -788,6 +814,7 @@ mod tests {
             memory_bytes: 8 << 30,
             cpus: 64,
             pods: 110,
+            runtime: crate::plan::NodeRuntime::UNKNOWN,
         };
         let queued = spec(serde_json::json!({"connections": 1_000_000,
             "backend": {"queuedPercent": 100}, "node": {"conntrack": false}}));
@@ -857,8 +884,9 @@ mod tests {
             prop_oneof![Just("InitContainer"), Just("PodSecurityContext"), Just("None")],
             any::<bool>(),
             (1i64..=1024, 4i64..=1024, 1i32..=200),
+            (proptest::option::of(1024i64..=4_000_000), any::<bool>(), any::<bool>()),
         )
-            .prop_map(|(c, model, user, queued, cpus, headroom, mode, tracked, (gib, ncpu, min_shards))| {
+            .prop_map(|(c, model, user, queued, cpus, headroom, mode, tracked, (gib, ncpu, min_shards), (nofile, sys_resource, netns))| {
                 let s = spec(serde_json::json!({
                     "connections": c,
                     "backend": {"model": model, "userBytesPerConnection": user, "queuedPercent": queued},
@@ -866,7 +894,12 @@ mod tests {
                     "shard": {"cpus": cpus, "headroomPercent": headroom, "minShards": min_shards, "maxShards": 100000},
                     "sysctls": {"mode": mode},
                 }));
-                (s, NodeFacts { memory_bytes: gib << 30, cpus: ncpu.max(cpus as i64), pods: 110 })
+                let runtime = NodeRuntime {
+                    nofile_hard_limit: nofile,
+                    sys_resource,
+                    host_network_namespace: netns,
+                };
+                (s, NodeFacts { memory_bytes: gib << 30, cpus: ncpu.max(cpus as i64), pods: 110, runtime })
             })
     }
 
@@ -880,7 +913,16 @@ mod tests {
             prop_assert!(p.shards as i64 * p.connections_per_shard >= s.connections.min(p.capacity));
             prop_assert!(p.shards >= s.shard.min_shards);
             prop_assert!(p.shards_per_node as i64 * p.cpus as i64 <= node.cpus);
-            prop_assert!(p.nofile <= nofile_ceiling(&s));
+            prop_assert!(p.nofile <= nofile_ceiling(&s, &node.runtime));
+            if !p.server_raises_nofile {
+                prop_assert!(p.nofile <= p.node_nofile_hard_limit);
+            }
+            if !node.runtime.host_network_namespace {
+                prop_assert!(
+                    p.sysctls.keys().all(|s| s.scope() == crate::api::sysctl::Scope::Namespaced),
+                    "node-level sysctls on a node whose host netns is closed: {:?}", p.sysctls
+                );
+            }
             let defaults = KernelDefaults::for_node(node.memory_bytes, node.cpus);
             for (sysctl, value) in &p.sysctls {
                 let d = defaults.value(*sysctl);

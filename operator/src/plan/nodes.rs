@@ -8,8 +8,9 @@ use kube_quantity::ParsedQuantity;
 use super::PlanError;
 use crate::api::{
     ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH, MIN_NODE_MEMORY_BYTES,
-    QUANTITY_PATTERN,
+    NodeProfile, QUANTITY_PATTERN,
 };
+use crate::names;
 
 /// The node one shard runs on, resolved from the spec or the cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,7 +21,84 @@ pub struct NodeFacts {
     pub cpus: i64,
     /// Most pods the node runs.
     pub pods: i64,
+    /// What the node's runtime and kernel let a shard's pod do.
+    pub runtime: NodeRuntime,
 }
+
+/// What a node's container runtime and kernel let a shard's pod do, from
+/// its labels ([`crate::names::NODE_NOFILE_HARD_LIMIT_LABEL`],
+/// [`crate::names::NODE_SYS_RESOURCE_LABEL`],
+/// [`crate::names::NODE_HOST_NETWORK_NAMESPACE_LABEL`]) and `spec.node`.
+/// Measured on a real kubelet + containerd + runc node: a container asking
+/// for a capability its node cannot grant never starts, and an init
+/// container that cannot open the host's network namespace crash-loops
+/// (tests/cluster/README.md, real node).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeRuntime {
+    /// Hard RLIMIT_NOFILE containers inherit, in descriptors (`None`: not
+    /// said; the plan then assumes containerd 2.x's 524,288).
+    pub nofile_hard_limit: Option<i64>,
+    /// The runtime can give a container CAP_SYS_RESOURCE.
+    pub sys_resource: bool,
+    /// A privileged container can enter the host's network namespace.
+    pub host_network_namespace: bool,
+}
+
+impl NodeRuntime {
+    /// A node that says nothing: capabilities and the host's network
+    /// namespace available, the runtime's nofile limit not known.
+    pub const UNKNOWN: NodeRuntime = NodeRuntime {
+        nofile_hard_limit: None,
+        sys_resource: true,
+        host_network_namespace: true,
+    };
+
+    /// The facts `node`'s labels state. A nofile label that is not a
+    /// decimal integer within `spec.node.nofileHardLimit`'s bounds
+    /// (1,024..=1,073,741,816) states nothing.
+    pub fn of(node: &Node) -> NodeRuntime {
+        let labels = node.metadata.labels.as_ref();
+        let label = |key: &str| labels.and_then(|l| l.get(key)).map(String::as_str);
+        NodeRuntime {
+            nofile_hard_limit: label(names::NODE_NOFILE_HARD_LIMIT_LABEL)
+                .and_then(|v| v.parse::<i64>().ok())
+                .filter(|n| (MIN_NOFILE_HARD_LIMIT..=MAX_NOFILE_HARD_LIMIT).contains(n)),
+            sys_resource: label(names::NODE_SYS_RESOURCE_LABEL) != Some(names::UNAVAILABLE),
+            host_network_namespace: label(names::NODE_HOST_NETWORK_NAMESPACE_LABEL)
+                != Some(names::UNAVAILABLE),
+        }
+    }
+
+    /// What holds on a node described by both `self` and `other` (a pod may
+    /// land on either): the smaller nofile limit, each capability only if
+    /// both have it.
+    pub fn and(self, other: NodeRuntime) -> NodeRuntime {
+        NodeRuntime {
+            nofile_hard_limit: match (self.nofile_hard_limit, other.nofile_hard_limit) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+            sys_resource: self.sys_resource && other.sys_resource,
+            host_network_namespace: self.host_network_namespace && other.host_network_namespace,
+        }
+    }
+
+    /// The facts `spec.node` states (unset fields state nothing).
+    fn of_spec(profile: &NodeProfile) -> NodeRuntime {
+        NodeRuntime {
+            nofile_hard_limit: profile.nofile_hard_limit,
+            sys_resource: profile.sys_resource.unwrap_or(true),
+            host_network_namespace: profile.host_network_namespace.unwrap_or(true),
+        }
+    }
+}
+
+/// Smallest hard nofile limit `spec.node.nofileHardLimit` admits.
+const MIN_NOFILE_HARD_LIMIT: i64 = 1024;
+
+/// Largest hard nofile limit `spec.node.nofileHardLimit` admits (the
+/// kernel's `fs.nr_open` maximum).
+const MAX_NOFILE_HARD_LIMIT: i64 = 1_073_741_816;
 
 /// kubelet's default `maxPods`, used when neither spec nor node says.
 pub const DEFAULT_MAX_PODS: i64 = 110;
@@ -55,10 +133,16 @@ fn observed_units(q: &Quantity, max: i64) -> Option<i64> {
     })
 }
 
-/// Allocatable of the smallest of `nodes` (by memory, then CPUs), or `None`
-/// when the list is empty or no node reports allocatable. Each value is
-/// capped at the bound the schema puts on the same `spec.node` field.
-pub fn smallest_allocatable(nodes: &[Node]) -> Option<NodeFacts> {
+/// The node a fleet whose pods may land on any of `nodes` plans for: the
+/// allocatable of the smallest (by memory, then CPUs), each value capped at
+/// the bound the schema puts on the same `spec.node` field, with the
+/// [`NodeRuntime`] facts that hold on all of them. `None` when the list is
+/// empty or no node reports allocatable.
+pub fn observed(nodes: &[Node]) -> Option<NodeFacts> {
+    let runtime = nodes
+        .iter()
+        .map(NodeRuntime::of)
+        .fold(NodeRuntime::UNKNOWN, NodeRuntime::and);
     nodes
         .iter()
         .filter_map(|n| {
@@ -70,6 +154,7 @@ pub fn smallest_allocatable(nodes: &[Node]) -> Option<NodeFacts> {
                     .get("pods")
                     .and_then(|p| observed_units(p, MAX_NODE_PODS))
                     .unwrap_or(DEFAULT_MAX_PODS),
+                runtime,
             })
         })
         .min_by_key(|f| (f.memory_bytes, f.cpus))
@@ -96,8 +181,11 @@ fn spec_memory(q: &Quantity) -> Result<i64, PlanError> {
         .ok_or_else(bad)
 }
 
-/// Node profile for the spec: each `spec.node` field wins, the observed
-/// node fills the rest. Errors name the fields to set when neither has a value.
+/// Node profile for the spec: each `spec.node` size field wins, the
+/// observed node fills the rest; of the [`NodeRuntime`] facts the more
+/// restrictive of spec and node holds (a spec can take a capability away,
+/// never grant one a node lacks). Errors name the fields to set when
+/// neither has a value.
 pub fn resolve(
     spec: &ConnectionFleetSpec,
     observed: Option<NodeFacts>,
@@ -127,10 +215,12 @@ pub fn resolve(
         .map(i64::from)
         .or(observed.map(|o| o.pods))
         .unwrap_or(DEFAULT_MAX_PODS);
+    let runtime = observed.map_or(NodeRuntime::UNKNOWN, |o| o.runtime);
     Ok(NodeFacts {
         memory_bytes,
         cpus,
         pods,
+        runtime: runtime.and(NodeRuntime::of_spec(&profile)),
     })
 }
 
@@ -200,13 +290,14 @@ mod tests {
     #[test]
     fn smallest_node_wins_and_spec_overrides() {
         let nodes = vec![node("256Gi", "64"), node("128Gi", "32")];
-        let obs = smallest_allocatable(&nodes).unwrap();
+        let obs = observed(&nodes).unwrap();
         assert_eq!(
             obs,
             NodeFacts {
                 memory_bytes: 128 << 30,
                 cpus: 32,
-                pods: 110
+                pods: 110,
+                runtime: crate::plan::NodeRuntime::UNKNOWN,
             }
         );
         let mut spec: ConnectionFleetSpec =
@@ -246,7 +337,7 @@ mod tests {
             ("1e15", "1e12", "1e12"),
             ("256Gi", "64", "0"),
         ] {
-            let obs = smallest_allocatable(&[node(mem, cpu, pods)])
+            let obs = observed(&[node(mem, cpu, pods)])
                 .unwrap_or_else(|| panic!("{mem} {cpu} {pods}: no profile"));
             assert!(obs.memory_bytes <= MAX_NODE_MEMORY_BYTES, "{obs:?}");
             assert!(
@@ -263,8 +354,8 @@ mod tests {
         }
         // Negative, or past what the parser holds (a decimal beyond ~7.9e28):
         // no profile from that node, never a panic.
-        assert_eq!(smallest_allocatable(&[node("-1Gi", "64", "110")]), None);
-        assert_eq!(smallest_allocatable(&[node("9e30", "64", "110")]), None);
+        assert_eq!(observed(&[node("-1Gi", "64", "110")]), None);
+        assert_eq!(observed(&[node("9e30", "64", "110")]), None);
     }
 
     /// The caps are the schema's own bounds on `spec.node.cpus` and `pods`.
@@ -276,5 +367,86 @@ mod tests {
             ["node"]["properties"];
         assert_eq!(node["cpus"]["maximum"].as_f64(), Some(MAX_NODE_CPUS as f64));
         assert_eq!(node["pods"]["maximum"].as_f64(), Some(MAX_NODE_PODS as f64));
+    }
+
+    fn labelled(labels: serde_json::Value) -> Node {
+        let mut n = node("256Gi", "64");
+        n.metadata.labels = serde_json::from_value(labels).unwrap();
+        n
+    }
+
+    /// Issue 9: node-fact labels reach the plan's node, and a pod that may
+    /// land on any of the nodes gets what holds on all of them.
+    #[test]
+    fn runtime_facts_come_from_node_labels_and_hold_on_every_node() {
+        let real = labelled(serde_json::json!({
+            "c10m.dev/nofile-hard-limit": "20000",
+            "c10m.dev/sys-resource": "unavailable",
+            "c10m.dev/host-network-namespace": "unavailable",
+        }));
+        let plain = labelled(serde_json::json!({"c10m.dev/nofile-hard-limit": "524288"}));
+        assert_eq!(
+            NodeRuntime::of(&real),
+            NodeRuntime {
+                nofile_hard_limit: Some(20_000),
+                sys_resource: false,
+                host_network_namespace: false
+            }
+        );
+        assert_eq!(NodeRuntime::of(&node("1Gi", "1")), NodeRuntime::UNKNOWN);
+        let both = observed(&[plain.clone(), real]).unwrap().runtime;
+        assert_eq!(both.nofile_hard_limit, Some(20_000));
+        assert!(!both.sys_resource && !both.host_network_namespace);
+        let one = observed(&[plain]).unwrap().runtime;
+        assert_eq!(one.nofile_hard_limit, Some(524_288));
+        assert!(one.sys_resource && one.host_network_namespace);
+        for bad in ["lots", "-5", "1023", "1073741817", "20000 "] {
+            let n = labelled(serde_json::json!({"c10m.dev/nofile-hard-limit": bad}));
+            assert_eq!(NodeRuntime::of(&n).nofile_hard_limit, None, "{bad:?}");
+        }
+    }
+
+    /// A spec can take a capability away or lower the nofile limit, never
+    /// grant what the cluster's nodes say they lack.
+    #[test]
+    fn a_spec_restricts_runtime_facts_but_never_grants_them() {
+        let observed_node = NodeFacts {
+            memory_bytes: 1 << 30,
+            cpus: 2,
+            pods: 110,
+            runtime: NodeRuntime {
+                nofile_hard_limit: Some(20_000),
+                sys_resource: false,
+                host_network_namespace: true,
+            },
+        };
+        let with = |n: serde_json::Value| -> NodeRuntime {
+            let spec: ConnectionFleetSpec =
+                serde_json::from_value(serde_json::json!({"connections": 1, "node": n})).unwrap();
+            resolve(&spec, Some(observed_node)).unwrap().runtime
+        };
+        let claims = with(serde_json::json!({
+            "sysResource": true, "hostNetworkNamespace": true, "nofileHardLimit": 1_000_000
+        }));
+        assert_eq!(claims, observed_node.runtime);
+        let lowers =
+            with(serde_json::json!({"hostNetworkNamespace": false, "nofileHardLimit": 4096}));
+        assert_eq!(
+            lowers,
+            NodeRuntime {
+                nofile_hard_limit: Some(4096),
+                sys_resource: false,
+                host_network_namespace: false
+            }
+        );
+        // Offline (no cluster): the spec's word.
+        let spec: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 1,
+            "node": {"memory": "1Gi", "cpus": 2, "sysResource": false}
+        }))
+        .unwrap();
+        let offline = resolve(&spec, None).unwrap().runtime;
+        assert!(!offline.sys_resource && offline.host_network_namespace);
+        assert_eq!(offline.nofile_hard_limit, None);
     }
 }

@@ -73,11 +73,13 @@ fn clamp(value: SysctlValue, default: SysctlValue, ceiling: i64) -> SysctlValue 
 
 /// The sysctls the plan applies under the spec's mode (only raises over
 /// the node's kernel defaults, node-level ones at most to the policy's
-/// `ceilings`) and those it wants but cannot apply. The capacity model
-/// sizes shards so the load fits under the ceilings; the cut here only
-/// keeps the raise under them whatever the load.
+/// `ceilings`, and only when `raise_node`:
+/// [`super::capacity::raises_node_sysctls`]) and those it wants but cannot
+/// apply. The capacity model sizes shards so the load fits under the
+/// ceilings; the cut here only keeps the raise under them whatever the load.
 pub fn plan_sysctls(
     spec: &ConnectionFleetSpec,
+    raise_node: bool,
     defaults: &KernelDefaults,
     ceilings: &SysctlCeilings,
     load: NodeLoad,
@@ -98,7 +100,7 @@ pub fn plan_sysctls(
     };
 
     let mode = spec.sysctls.mode;
-    if mode == SysctlMode::InitContainer {
+    if raise_node {
         let [min, pressure, max] = defaults.tcp_mem;
         if load.queued_pages > pressure {
             let p = load.queued_pages;

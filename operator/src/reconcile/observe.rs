@@ -58,7 +58,7 @@ pub async fn node_facts(
             .list(&ListParams::default().labels(&selector))
             .await
             .map_err(|source| Error::Nodes { source })?;
-        nodes::smallest_allocatable(&list.items)
+        nodes::observed(&list.items)
     };
     Ok(nodes::resolve(&fleet.spec, observed))
 }
