@@ -63,6 +63,27 @@ pub mod env {
     pub const WS_PING_SECS: &str = "C10M_WS_PING_SECS";
     /// Seconds a server ping may go unanswered before the close.
     pub const WS_PONG_TIMEOUT_SECS: &str = "C10M_WS_PONG_TIMEOUT_SECS";
+    /// `UID:GID` (decimal, both non-zero) the server drops to before it
+    /// serves.
+    ///
+    /// Why: Kubernetes sets no ambient capabilities (kubernetes#56374), so a
+    /// container started as a non-root uid with `capabilities.add:
+    /// [SYS_RESOURCE]` has empty permitted and effective sets after
+    /// `execve` and cannot raise its hard RLIMIT_NOFILE to the plan's
+    /// `nofile`. So the container starts as uid 0 with `drop: [ALL]` and
+    /// `add: [SETUID, SETGID]` (plus `SYS_RESOURCE` where the node can grant
+    /// it) and `allowPrivilegeEscalation: false`, and the server itself
+    /// drops to this uid:gid.
+    ///
+    /// Order, while the process is still single-threaded and before it
+    /// opens any socket: raise RLIMIT_NOFILE (per process, it survives the
+    /// drop); clear the supplementary groups, set real, effective and
+    /// saved gid, then uid; check that the ids are the target's and that
+    /// the permitted, effective and ambient capability sets are empty, or
+    /// exit non-zero. Already running as this uid:gid is a no-op; running
+    /// as another non-root uid is an error (it cannot switch). Unset: no
+    /// change of identity.
+    pub const RUN_AS: &str = "C10M_RUN_AS";
 }
 
 /// Values of [`env::PROTOCOL`].
