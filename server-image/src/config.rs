@@ -12,6 +12,8 @@ use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr};
 
 use c10m_wire::{env, protocol};
+
+use crate::privilege::RunAs;
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 /// Default TCP port of the connection listeners (`spec.server.port`).
@@ -257,6 +259,27 @@ pub struct Config {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
+
+    /// UID:GID (decimal, both non-zero) to drop to after raising
+    /// RLIMIT_NOFILE and before opening any socket: supplementary groups
+    /// cleared, then gid, then uid; the server refuses to serve unless the
+    /// ids are these and it holds no capabilities. For a container started
+    /// as root with only CAP_SETUID and CAP_SETGID (plus CAP_SYS_RESOURCE
+    /// where the node grants it). Already running as UID:GID: nothing to
+    /// do; as another non-root uid: an error.
+    #[arg(
+        long,
+        env = env::RUN_AS,
+        value_name = "UID:GID",
+        value_parser = parse_run_as
+    )]
+    pub run_as: Option<RunAs>,
+}
+
+/// `--run-as`/`C10M_RUN_AS` ([`RunAs`]'s `FromStr`, whose errors name the
+/// variable).
+fn parse_run_as(s: &str) -> Result<RunAs, String> {
+    s.parse()
 }
 
 impl Config {
@@ -359,6 +382,7 @@ mod tests {
         assert_eq!(c.drain_timeout_secs, 25);
         assert_eq!(c.drain_accept_secs, 5);
         assert_eq!(c.admin_token().unwrap(), None);
+        assert_eq!(c.run_as, None);
     }
 
     #[test]
@@ -457,6 +481,7 @@ mod tests {
             ("drain-accept-secs", env::DRAIN_ACCEPT_SECS),
             ("admin-token-file", env::ADMIN_TOKEN_FILE),
             ("admin-token", env::ADMIN_TOKEN),
+            ("run-as", env::RUN_AS),
         ];
         for (flag, env) in expected {
             assert!(
@@ -558,6 +583,7 @@ mod tests {
             (env::DRAIN_TIMEOUT_SECS, "20"),
             (env::DRAIN_ACCEPT_SECS, "7"),
             (env::ADMIN_TOKEN, "-s3cret"),
+            (env::RUN_AS, "65532:65533"),
         ])
         .unwrap();
         assert_eq!(c.bind, "127.0.0.9".parse::<IpAddr>().unwrap());
@@ -573,6 +599,13 @@ mod tests {
         assert_eq!(c.drain_timeout_secs, 20);
         assert_eq!(c.drain_accept_secs, 7);
         assert_eq!(c.admin_token().unwrap().as_deref(), Some("-s3cret"));
+        assert_eq!(
+            c.run_as,
+            Some(RunAs {
+                uid: 65532,
+                gid: 65533
+            })
+        );
         let c = Config::from_env_pairs([(env::ADMIN_TOKEN_FILE, "/run/token")]).unwrap();
         assert_eq!(c.admin_token_file, Some("/run/token".into()));
     }
@@ -618,6 +651,41 @@ mod tests {
                 "{name}={value:?}: {e}"
             );
             assert!(e.to_string().contains(value), "{e}");
+        }
+    }
+
+    #[test]
+    fn run_as_errors_name_the_variable() {
+        let c = Config::from_env_pairs([(env::RUN_AS, "65532:65532")]).unwrap();
+        assert_eq!(
+            c.run_as,
+            Some(RunAs {
+                uid: 65532,
+                gid: 65532
+            })
+        );
+        let c = parse(&["--run-as", "1000:1001"]).unwrap();
+        assert_eq!(c.run_as.map(|r| (r.uid, r.gid)), Some((1000, 1001)));
+        for (value, says) in [
+            ("0:0", "uid 0"),
+            ("65532:0", "gid 0"),
+            ("65532", ":GID"),
+            ("65532:", "decimal"),
+            ("nobody:nogroup", "decimal"),
+            ("", ":GID"),
+            ("4294967295:1", "unchanged"),
+        ] {
+            let e = Config::from_env_pairs([(env::RUN_AS, value)]).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{value:?}: {e}"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains(env::RUN_AS) && text.contains(says) && text.contains(value),
+                "{value:?}: {text}"
+            );
         }
     }
 }

@@ -13,6 +13,9 @@
 //!   environment.
 //! - [`limits`]: RLIMIT_NOFILE, the connection cap, whether to pin workers
 //!   to CPUs (only with one CPU per worker in the affinity mask).
+//! - [`privilege`]: with `C10M_RUN_AS`, the drop from root to an
+//!   unprivileged uid:gid with no capabilities, right after the limit is
+//!   raised and while the process is single-threaded.
 //! - [`metrics`] (the Prometheus registry) and [`system`] (`/proc` readers).
 //! - [`listen`]: the SO_REUSEPORT listeners, one per worker, on one port.
 //! - [`control`]: state shared across threads: admission under the cap, the
@@ -40,6 +43,7 @@ pub mod door;
 pub mod limits;
 pub mod listen;
 pub mod metrics;
+pub mod privilege;
 pub mod server;
 pub mod sysctl;
 pub mod system;

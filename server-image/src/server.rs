@@ -18,6 +18,7 @@ use crate::door;
 use crate::limits::{self, CapLimit};
 use crate::listen;
 use crate::metrics::Metrics;
+use crate::privilege;
 use crate::worker::{self, WorkerSpec};
 use crate::{admin, limits::connection_cap};
 
@@ -43,8 +44,16 @@ enum Event {
 /// over. A second signal exits at once with status 1. Returns `Err` if
 /// start-up fails or a worker dies.
 pub fn run(config: Config) -> anyhow::Result<()> {
-    // Limits first: everything after opens descriptors.
+    // Limits first: everything after opens descriptors. Raising the hard
+    // limit may need CAP_SYS_RESOURCE, which only a process started as root
+    // holds (Kubernetes sets no ambient capabilities), so it comes before
+    // the drop to C10M_RUN_AS; RLIMIT_NOFILE belongs to the process and
+    // survives the drop. The drop comes before any thread (it changes the
+    // calling thread's credentials only) and before any socket or file the
+    // server opens; the admin token file is read after it, as the serving
+    // uid.
     let nofile = limits::raise_nofile(config.nofile);
+    let identity = privilege::apply(config.run_as)?;
     let cpus = limits::allowed_cpus();
     let workers = config
         .workers
@@ -108,7 +117,15 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             .context("registering signal handlers")?;
         flag::register(sig, Arc::clone(&signalled)).context("registering signal handlers")?;
     }
-    let token = config.admin_token().context("reading --admin-token-file")?;
+    let token = config.admin_token().with_context(|| {
+        let who = identity.as_ref().map_or(String::new(), |id| {
+            format!(" as uid {} gid {}", id.uid[1], id.gid[1])
+        });
+        match &config.admin_token_file {
+            Some(path) => format!("reading --admin-token-file {}{who}", path.display()),
+            None => "reading the admin token".to_string(),
+        }
+    })?;
     if token.is_none() {
         tracing::info!(
             "no admin token (--admin-token-file, C10M_ADMIN_TOKEN): POST /drain and /shed answer 401"
