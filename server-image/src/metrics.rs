@@ -239,6 +239,9 @@ pub struct Metrics {
     /// schedules them ([`crate::limits::pinning`]).
     pub cpu_pinned: Gauge,
     admin_dropped: Family<AdminDropLabel, Counter>,
+    process_uid: Gauge,
+    process_gid: Gauge,
+    process_capabilities: Gauge,
 }
 
 /// One worker's metric handles: atomics shared with the registry, so
@@ -294,6 +297,9 @@ impl Metrics {
             sysctl: Family::default(),
             cpu_pinned: Gauge::default(),
             admin_dropped: Family::default(),
+            process_uid: Gauge::default(),
+            process_gid: Gauge::default(),
+            process_capabilities: Gauge::default(),
             registry: Registry::default(),
         };
         let registry = &mut m.registry;
@@ -386,6 +392,21 @@ impl Metrics {
             "Admin port connections closed without an answer, by reason (limit: over the bound on concurrent connections; deadline: request not complete in time)",
             m.admin_dropped.clone(),
         );
+        registry.register(
+            "c10m_process_uid",
+            "Effective user id the server serves as (after the drop to C10M_RUN_AS, if set)",
+            m.process_uid.clone(),
+        );
+        registry.register(
+            "c10m_process_gid",
+            "Effective group id the server serves as (after the drop to C10M_RUN_AS, if set)",
+            m.process_gid.clone(),
+        );
+        registry.register(
+            "c10m_process_capabilities_effective",
+            "Effective capability set of the server as a bitmask (CapEff); 0 when it holds no capabilities, -1 if unreadable",
+            m.process_capabilities.clone(),
+        );
         // The process collector's conventional name, so stock dashboards work.
         registry.register_with_unit(
             "process_resident_memory",
@@ -444,6 +465,21 @@ impl Metrics {
     /// workers (the drain's accept window).
     pub fn rejected(&self, reason: RejectReason) -> Counter {
         self.rejected.get_or_create_owned(&RejectLabel { reason })
+    }
+
+    /// Records the effective uid, gid and capability set of the calling
+    /// thread (system calls, not `/proc`); called at start, after the drop
+    /// to `C10M_RUN_AS`.
+    pub fn set_identity(&self) {
+        self.process_uid
+            .set(i64::from(rustix::process::geteuid().as_raw()));
+        self.process_gid
+            .set(i64::from(rustix::process::getegid().as_raw()));
+        let caps = rustix::thread::capabilities(None)
+            .ok()
+            .and_then(|c| i64::try_from(c.effective.bits()).ok())
+            .unwrap_or(-1);
+        self.process_capabilities.set(caps);
     }
 
     /// Records the kernel settings read at start (see
@@ -548,6 +584,9 @@ mod tests {
             "# TYPE c10m_admin_connections_dropped counter",
             "c10m_admin_connections_dropped_total{reason=\"limit\"} 0",
             "c10m_admin_connections_dropped_total{reason=\"deadline\"} 0",
+            "# TYPE c10m_process_uid gauge",
+            "# TYPE c10m_process_gid gauge",
+            "# TYPE c10m_process_capabilities_effective gauge",
             "# EOF",
         ] {
             assert!(

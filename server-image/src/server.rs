@@ -105,6 +105,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     metrics
         .fd_limit
         .set(i64::try_from(nofile.effective).unwrap_or(i64::MAX));
+    metrics.set_identity();
 
     // Signals before any thread starts, so none of them sees the default
     // (terminate) disposition. A second signal while draining exits with 1;
