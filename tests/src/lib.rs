@@ -8,6 +8,7 @@
 //! missing: run them with `make test`, which brings the plane up.
 
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -543,6 +544,57 @@ pub fn try_prom_query(
         Some("scalar") => vec![(Default::default(), value(&data["result"])?)],
         other => anyhow::bail!("unsupported result type {other:?} for {promql:?}"),
     })
+}
+
+/// A running `c10m-loadgen` (`target/debug/c10m-loadgen`, built by `make
+/// test`) in its own process group, with `--quiet --hold=0` (it holds its
+/// connections until stopped); SIGTERM through [`Loadgen::finish`] ends it
+/// and yields its JSON report, dropping it kills it.
+pub struct Loadgen(Option<Child>);
+
+impl Loadgen {
+    /// Starts `c10m-loadgen` with `args` (targets, protocol, connections,
+    /// rate, ...).
+    pub fn start(args: &[String]) -> Loadgen {
+        let bin = workspace().join("target/debug/c10m-loadgen");
+        assert!(
+            bin.exists(),
+            "{} missing: cargo build -p c10m-loadgen",
+            bin.display()
+        );
+        let child = Command::new(bin)
+            .args(["--hold=0", "--quiet"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            // Its own process group: the child processes it forks die with it.
+            .process_group(0)
+            .spawn()
+            .expect("start c10m-loadgen");
+        Loadgen(Some(child))
+    }
+
+    /// Stops the clients and returns their report.
+    #[allow(unsafe_code)] // kill(2) on the child's process group
+    pub fn finish(mut self) -> Value {
+        let child = self.0.take().unwrap();
+        // SAFETY: kill(2) on our own child's process group.
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGTERM) };
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("loadgen report: {e}: {text}"))
+    }
+}
+
+impl Drop for Loadgen {
+    #[allow(unsafe_code)] // kill(2) on the child's process group
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            // SAFETY: kill(2) on our own child's process group.
+            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+            let _ = c.wait();
+        }
+    }
 }
 
 /// Logging of the harness daemons (pod runner, Prometheus discovery):

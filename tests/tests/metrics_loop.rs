@@ -10,9 +10,7 @@
 //! Figures are printed as `FIGURE name=value` lines.
 
 use std::collections::BTreeMap;
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -219,60 +217,20 @@ fn pods(ns: &str, fleet: &str) -> Vec<ShardPod> {
         .unwrap_or_default()
 }
 
-/// A running `c10m-loadgen` (WebSocket, reconnect-on-close, random target
-/// from the scenario's targets file); SIGTERM ends it and yields its report.
-struct Load(Option<Child>);
-
-impl Load {
-    fn start(s: &Scenario, connections: u64, rate: u64, source_net: u8) -> Load {
-        let bin = workspace().join("target/debug/c10m-loadgen");
-        assert!(
-            bin.exists(),
-            "{} missing: cargo build -p c10m-server",
-            bin.display()
-        );
-        let child = Command::new(bin)
-            .arg(format!("--targets-file={}", s.targets.display()))
-            .args([
-                "--protocol=websocket",
-                "--reconnect",
-                "--backoff-min-ms=200",
-                "--backoff-max-ms=2000",
-            ])
-            .args(["--ping-rate=0", "--hold=0", "--quiet"])
-            .arg(format!("--connections={connections}"))
-            .arg(format!("--rate={rate}"))
-            .arg(format!("--source-net={source_net}"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            // Its own process group: the child processes it forks die with it.
-            .process_group(0)
-            .spawn()
-            .expect("start c10m-loadgen");
-        Load(Some(child))
-    }
-
-    /// Stops the clients and returns their report.
-    #[allow(unsafe_code)] // kill(2) on the child's process group
-    fn finish(mut self) -> Value {
-        let child = self.0.take().unwrap();
-        // SAFETY: kill(2) on our own child's process group.
-        unsafe { libc::kill(-(child.id() as i32), libc::SIGTERM) };
-        let out = child.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("loadgen report: {e}: {text}"))
-    }
-}
-
-impl Drop for Load {
-    #[allow(unsafe_code)] // kill(2) on the child's process group
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            // SAFETY: kill(2) on our own child's process group.
-            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
-            let _ = c.wait();
-        }
-    }
+/// Starts `c10m-loadgen`: WebSocket, reconnect-on-close, random target
+/// from the scenario's targets file.
+fn start_load(s: &Scenario, connections: u64, rate: u64, source_net: u8) -> Loadgen {
+    Loadgen::start(&[
+        format!("--targets-file={}", s.targets.display()),
+        "--protocol=websocket".into(),
+        "--reconnect".into(),
+        "--backoff-min-ms=200".into(),
+        "--backoff-max-ms=2000".into(),
+        "--ping-rate=0".into(),
+        format!("--connections={connections}"),
+        format!("--rate={rate}"),
+        format!("--source-net={source_net}"),
+    ])
 }
 
 fn autoscaling(extra: &str) -> String {
@@ -298,7 +256,7 @@ fn a_ramp_past_capacity_adds_shards_and_says_why() {
         f["status"]["plan"]
     );
     // 1,500 clients; 2 shards hold at most 1,000 (the rest are refused and retry).
-    let load = Load::start(&s, 1500, 500, 100);
+    let load = start_load(&s, 1500, 500, 100);
     let crossed = wait_for("load past 2 shards' target (800)", MINUTE, || {
         (s.loads().values().sum::<i64>() > 880).then(Instant::now)
     });
@@ -351,7 +309,7 @@ fn b_rebalancing_after_scale_out_converges_within_the_reconnect_budget() {
     let (ok, out) = apply(s.ns(), &fleet("rebal", 800, &rebalance));
     assert!(ok, "{out}");
     s.wait_targets(2);
-    let load = Load::start(&s, 700, 500, 110);
+    let load = start_load(&s, 700, 500, 110);
     wait_for("700 connections on 2 shards", MINUTE, || {
         (s.loads().values().sum::<i64>() == 700).then_some(())
     });
@@ -437,7 +395,7 @@ fn c_a_prometheus_outage_never_scales_down_and_recovers() {
     assert!(ok, "{out}");
     s.wait_targets(2);
     // 1,400 clients: 3.5 shards' worth at 400 each, beyond the 10 % tolerance of 3.
-    let load = Load::start(&s, 1400, 500, 120);
+    let load = start_load(&s, 1400, 500, 120);
     let f = s.wait_fleet("scaled out to 4", "outage", |f, l| {
         desired(f) >= 4 && l.values().sum::<i64>() == 1400
     });
@@ -488,8 +446,8 @@ fn d_scale_in_removes_the_least_loaded_shards_with_graceful_closes() {
     assert!(ok, "{out}");
     s.wait_targets(2);
     // Two client groups: the first stays, the second leaves later.
-    let stay = Load::start(&s, 600, 500, 130);
-    let leave = Load::start(&s, 900, 500, 131);
+    let stay = start_load(&s, 600, 500, 130);
+    let leave = start_load(&s, 900, 500, 131);
     s.wait_fleet("1,500 connections on 4 shards", "scalein", |f, l| {
         desired(f) == 4 && l.values().sum::<i64>() == 1500
     });

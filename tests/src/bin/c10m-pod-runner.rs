@@ -2,7 +2,8 @@
 //! nodes of the local control plane.
 //!
 //! KWOK marks pods Running and gives them an IP in 127.0.0.0/8 but runs
-//! nothing. This binary watches the pods the operator manages (label
+//! nothing (pods with any other IP are on the real node, whose kubelet
+//! runs them, and are left alone). This binary watches the pods the operator manages (label
 //! `app.kubernetes.io/managed-by=c10m-operator`, all namespaces) and, for
 //! each one that is Running with a pod IP and no deletion timestamp, starts
 //! one real `c10m-server` with the args and env of the pod's `server`
@@ -96,7 +97,9 @@ fn pod_key(pod: &Pod) -> String {
     format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
-/// The pod's IP if it should have a server: Running, an IP, not deleted.
+/// The pod's IP if it should have a server: Running, an IP in 127.0.0.0/8
+/// (a KWOK node's; a pod on the real node has a bridge address and a real
+/// runtime already runs it), not deleted.
 fn runnable_ip(pod: &Pod) -> Option<String> {
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
@@ -105,7 +108,10 @@ fn runnable_ip(pod: &Pod) -> Option<String> {
     (status.phase.as_deref() == Some("Running"))
         .then(|| status.pod_ip.clone())
         .flatten()
-        .filter(|ip| !ip.is_empty())
+        .filter(|ip| {
+            ip.parse::<std::net::Ipv4Addr>()
+                .is_ok_and(|a| a.is_loopback())
+        })
 }
 
 #[allow(unsafe_code)] // kill(2) through libc

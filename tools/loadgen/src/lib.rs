@@ -14,7 +14,10 @@
 //! Source addresses: 127.S.x.y with S = `--source-net` + child index, bound
 //! with `IP_BIND_ADDRESS_NO_PORT` so the kernel picks the port at
 //! `connect()` time and every (source, destination) pair gets the whole
-//! local port range [source: `docs/KERNEL_FACTS.md`].
+//! local port range [source: `docs/KERNEL_FACTS.md`]. Only towards loopback
+//! targets: a connection to any other address (a pod on the test plane's
+//! bridge) leaves the source to the route, since a 127/8 source off the
+//! loopback device is a martian the kernel drops.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -439,15 +442,19 @@ pub fn bind_address_no_port(s: &Socket) -> io::Result<()> {
     Ok(())
 }
 
-fn open_socket(src: Ipv4Addr, dst: SocketAddrV4) -> io::Result<TcpStream> {
+/// A non-blocking connect to `dst`, from `src` when given (bound with
+/// `IP_BIND_ADDRESS_NO_PORT`), else from the address the route picks.
+fn open_socket(src: Option<Ipv4Addr>, dst: SocketAddrV4) -> io::Result<TcpStream> {
     let s = Socket::new(
         Domain::IPV4,
         Type::STREAM.nonblocking().cloexec(),
         Some(socket2::Protocol::TCP),
     )?;
-    bind_address_no_port(&s)?;
     s.set_tcp_nodelay(true)?;
-    s.bind(&SocketAddr::from((src, 0)).into())?;
+    if let Some(src) = src {
+        bind_address_no_port(&s)?;
+        s.bind(&SocketAddr::from((src, 0)).into())?;
+    }
     match s.connect(&SocketAddr::V4(dst).into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
@@ -529,7 +536,10 @@ impl Gen {
 
     fn connect(&mut self, i: usize) {
         let dst = self.targets.pick(i, &mut self.rng);
-        let src = source_addr(self.args.source_net, self.child, i as u64);
+        let src = dst
+            .ip()
+            .is_loopback()
+            .then(|| source_addr(self.args.source_net, self.child, i as u64));
         let now = Instant::now();
         if i == self.clients.len() {
             self.clients.push(Client {
