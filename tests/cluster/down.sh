@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Stops the local control plane started by up.sh (by pid file: TERM, then
-# KILL after 15 s). Idempotent.
+# KILL after 15 s), the real node first (node.sh down: its pods, kubelet,
+# containerd, and everything they left on the host). Idempotent.
 #
-#   down.sh           stop every component; keep the state (etcd data, PKI)
+#   down.sh           stop every component; keep the state (etcd data, PKI,
+#                     the node's images)
 #   down.sh --purge   also delete $C10M_STATE (never the binary cache)
 set -euo pipefail
 export LC_ALL=C
@@ -13,7 +15,7 @@ purge=
 for arg in "$@"; do
   case $arg in
     --purge) purge=1 ;;
-    -h | --help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument: $arg (try --help)" ;;
   esac
 done
@@ -23,7 +25,14 @@ if [[ ! -d "$C10M_STATE" ]]; then
   exit 0
 fi
 
-# The harness's daemons first: they are clients of the apiserver.
+# The real node first: its pods are deleted through the apiserver.
+rc=0
+if ! bash "$here/node.sh" down; then
+  echo "down: node.sh down failed" >&2
+  rc=1
+fi
+
+# The harness's daemons next: they are clients of the apiserver.
 bash "$here/pod-runner.sh" stop || echo "down: pod-runner.sh stop failed" >&2
 bash "$here/prometheus.sh" stop || echo "down: prometheus.sh stop failed" >&2
 
@@ -70,6 +79,11 @@ if [[ -n "$purge" ]]; then
     [[ "$state" != "$bad" ]] || die "refusing to purge C10M_STATE=$C10M_STATE"
   done
   [[ "$(realpath -m "$C10M_CACHE/bin")/" != "$state/"* ]] || die "refusing to purge $state: it contains the binary cache"
-  rm -rf "$state"
+  # rm -rf must never walk into a mounted filesystem (a container's rootfs
+  # bind-mounts host paths).
+  mounted=$(awk -v d="$state" '{ m = $5; gsub(/\\040/, " ", m); if (m == d || index(m, d "/") == 1) print m }' /proc/self/mountinfo)
+  [[ -z "$mounted" ]] || die "refusing to purge $state: still mounted there: $mounted"
+  rm -rf --one-file-system "$state"
   echo "down: purged $state"
 fi
+exit "$rc"

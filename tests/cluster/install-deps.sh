@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs what a fresh Debian machine lacks for the local control plane and
-# the tests: Debian packages via apt-get (apt-get update only when something
-# is missing). Go and kubectl are expected to be preinstalled; this checks
-# them and fails with a clear message if they are missing. Quiet when all is
-# present.
+# Installs what a fresh Debian machine lacks for the local control plane, its
+# real node and the tests: Debian packages via apt-get (apt-get update only
+# when something is missing). Go and kubectl are expected to be
+# preinstalled; this checks them and fails with a clear message if they are
+# missing. Quiet when all is present.
 set -euo pipefail
 export LC_ALL=C
 
@@ -15,6 +15,15 @@ wanted=(
   iproute2:ss
   util-linux:flock
   prometheus:prometheus
+  # the real node (node.sh): container runtime, CNI plugins, and gcc +
+  # libc6-dev for its static pause binary (build.sh); iptables-save lists
+  # the chains host-state.sh compares
+  containerd:containerd
+  runc:/usr/sbin/runc
+  containernetworking-plugins:/usr/lib/cni/bridge
+  iptables:/usr/sbin/iptables-save
+  gcc:gcc
+  libc6-dev:/usr/include/stdio.h
 )
 
 installed() { # PROBE

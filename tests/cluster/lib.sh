@@ -1,4 +1,5 @@
-# Settings and helpers shared by up.sh and down.sh (sourced, not run).
+# shellcheck shell=bash disable=SC2034 # settings, used by the scripts that source this
+# Settings and helpers shared by up.sh, down.sh and node.sh (sourced, not run).
 #
 # Every setting can be overridden from the environment. They live here and
 # not in env.sh because build.sh keys the binary cache on env.sh: changing
@@ -34,14 +35,30 @@ C10M_NODE_CPU=${C10M_NODE_CPU:-64}
 C10M_NODE_MEMORY=${C10M_NODE_MEMORY:-256Gi}
 C10M_NODE_PODS=${C10M_NODE_PODS:-110}
 
+# The real node (node.sh): kubelet + containerd + runc + CNI bridge on this
+# host, joined to the plane. C10M_REAL_NODE=0: up.sh leaves it out.
+C10M_REAL_NODE=${C10M_REAL_NODE:-1}
+C10M_NODE_NAME=${C10M_NODE_NAME:-c10m-real-0}
+# Pod subnet of the real node: a private range that exists only on the
+# isolated bridge (no uplink, no NAT, no forwarding). The host's address on
+# the bridge (the subnet's first address) is the node's InternalIP.
+C10M_NODE_POD_CIDR=${C10M_NODE_POD_CIDR:-10.213.95.0/24}
+C10M_NODE_BRIDGE=${C10M_NODE_BRIDGE:-c10m0}
+C10M_KUBELET_PORT=${C10M_KUBELET_PORT:-20250}                 # kubelet API (https, on the node IP)
+C10M_KUBELET_HEALTHZ_PORT=${C10M_KUBELET_HEALTHZ_PORT:-20248} # kubelet /healthz (http, 127.0.0.1)
+
 # Layout of the state directory.
 PKI=$C10M_STATE/pki
 PIDS=$C10M_STATE/pids
 LOGS=$C10M_STATE/logs
 KUBECONFIGS=$C10M_STATE/kubeconfigs
+NODE_DIR=$C10M_STATE/node
+C10M_NODE_CONTAINERD_SOCK=$NODE_DIR/run/containerd/containerd.sock
 
 # Components in start order; down.sh stops them in reverse.
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+# The real node's processes (node.sh; pid files in $PIDS as well).
+NODE_COMPONENTS=(containerd kubelet)
 
 die() {
   echo "error: $*" >&2
@@ -85,7 +102,7 @@ plane_orphans() {
     cmdline=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
     [[ "$cmdline" == *"$C10M_STATE/"* ]] || continue
     known=
-    for name in "${COMPONENTS[@]}"; do
+    for name in "${COMPONENTS[@]}" "${NODE_COMPONENTS[@]}"; do
       [[ "$(cat "$PIDS/$name.pid" 2>/dev/null)" == "$pid" ]] && known=1
     done
     [[ -z "$known" ]] && echo "$pid"
@@ -139,4 +156,76 @@ take_lock() {
   if ! flock -w 600 9; then
     die "another up.sh/down.sh holds $C10M_STATE/.lock for over 10 minutes"
   fi
+}
+
+# ---------------------------------------------------------------- addresses
+# ip4_add ADDRESS N: the IPv4 address N after ADDRESS.
+ip4_add() {
+  local a b c d n
+  IFS=. read -r a b c d <<<"$1"
+  n=$(((a << 24 | b << 16 | c << 8 | d) + $2))
+  echo "$((n >> 24 & 255)).$((n >> 16 & 255)).$((n >> 8 & 255)).$((n & 255))"
+}
+
+# ---------------------------------------------------------------- PKI
+# new_cert DIR CA NAME SUBJECT EXTENSIONS: DIR/NAME.{key,crt} signed by DIR/CA.
+new_cert() {
+  local dir=$1 ca=$2 name=$3 subj=$4 ext=$5
+  openssl genrsa -out "$dir/$name.key" 2048 2>/dev/null
+  openssl req -new -key "$dir/$name.key" -subj "$subj" -out "$dir/$name.csr" 2>/dev/null
+  printf '[ext]\n%s\n' "$ext" >"$dir/$name.ext"
+  openssl x509 -req -in "$dir/$name.csr" -CA "$dir/$ca.crt" -CAkey "$dir/$ca.key" \
+    -set_serial "0x$(openssl rand -hex 16)" -days 3650 -sha256 \
+    -extfile "$dir/$name.ext" -extensions ext -out "$dir/$name.crt" 2>/dev/null
+  rm -f "$dir/$name.csr" "$dir/$name.ext"
+}
+
+# new_ca DIR NAME CN: self-signed CA DIR/NAME.{key,crt}.
+new_ca() {
+  local dir=$1 name=$2 cn=$3
+  printf '[req]\ndistinguished_name=dn\nx509_extensions=ca\n[dn]\n[ca]\n%s\n' \
+    "basicConstraints=critical,CA:TRUE
+keyUsage=critical,keyCertSign,cRLSign,digitalSignature
+subjectKeyIdentifier=hash" >"$dir/$name.cnf"
+  openssl genrsa -out "$dir/$name.key" 2048 2>/dev/null
+  openssl req -x509 -new -key "$dir/$name.key" -config "$dir/$name.cnf" -subj "/CN=$cn" \
+    -days 3650 -sha256 -out "$dir/$name.crt" 2>/dev/null
+  rm -f "$dir/$name.cnf"
+}
+
+# Extensions of a client certificate (new_cert's EXTENSIONS).
+# shellcheck disable=SC2034 # used by up.sh and node.sh
+client_ext="basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth
+authorityKeyIdentifier=keyid"
+
+# write_kubeconfig FILE USER CERT-NAME: kubeconfig for the plane's apiserver
+# with the client cert $PKI/CERT-NAME.{crt,key} embedded; FILE is replaced
+# only when its content changes.
+write_kubeconfig() {
+  local file=$1 user=$2 cert=$3
+  cat >"$file.tmp" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: c10m
+  cluster:
+    server: https://127.0.0.1:$C10M_APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
+users:
+- name: $user
+  user:
+    client-certificate-data: $(base64 -w0 "$PKI/$cert.crt")
+    client-key-data: $(base64 -w0 "$PKI/$cert.key")
+contexts:
+- name: c10m
+  context:
+    cluster: c10m
+    user: $user
+    namespace: default
+current-context: c10m
+EOF
+  chmod 600 "$file.tmp"
+  if cmp -s "$file.tmp" "$file"; then rm -f "$file.tmp"; else mv "$file.tmp" "$file"; fi
 }

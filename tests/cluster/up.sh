@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Brings up the local Kubernetes control plane: etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler and kwok with fake nodes, all on
-# 127.0.0.1, state in $C10M_STATE (see env.sh, lib.sh). Idempotent: healthy
-# components already running with the same command line are left alone.
+# 127.0.0.1, state in $C10M_STATE (see env.sh, lib.sh), then the real node
+# (node.sh: kubelet + containerd; C10M_REAL_NODE=0 leaves it out).
+# Idempotent: healthy components already running with the same command line
+# are left alone.
 #
 #   up.sh            start (or check) the plane
 #   up.sh --smoke    also schedule a pod onto a KWOK node, wait for Running,
@@ -18,7 +20,7 @@ smoke=
 for arg in "$@"; do
   case $arg in
     --smoke) smoke=1 ;;
-    -h | --help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument: $arg (try --help)" ;;
   esac
 done
@@ -51,50 +53,20 @@ take_lock
 mkdir -p "$PIDS" "$LOGS" "$KUBECONFIGS"
 
 # ---------------------------------------------------------------- PKI
-# First address of the service CIDR: the ClusterIP of the `kubernetes` Service.
-service_ip() {
-  local net=${C10M_SERVICE_CIDR%/*} a b c d n
-  IFS=. read -r a b c d <<<"$net"
-  n=$(((a << 24 | b << 16 | c << 8 | d) + 1))
-  echo "$((n >> 24 & 255)).$((n >> 16 & 255)).$((n >> 8 & 255)).$((n & 255))"
-}
-
-# new_cert DIR CA NAME SUBJECT EXTENSIONS: DIR/NAME.{key,crt} signed by DIR/CA.
-new_cert() {
-  local dir=$1 ca=$2 name=$3 subj=$4 ext=$5
-  openssl genrsa -out "$dir/$name.key" 2048 2>/dev/null
-  openssl req -new -key "$dir/$name.key" -subj "$subj" -out "$dir/$name.csr" 2>/dev/null
-  printf '[ext]\n%s\n' "$ext" >"$dir/$name.ext"
-  openssl x509 -req -in "$dir/$name.csr" -CA "$dir/$ca.crt" -CAkey "$dir/$ca.key" \
-    -set_serial "0x$(openssl rand -hex 16)" -days 3650 -sha256 \
-    -extfile "$dir/$name.ext" -extensions ext -out "$dir/$name.crt" 2>/dev/null
-  rm -f "$dir/$name.csr" "$dir/$name.ext"
-}
-
-# new_ca DIR NAME CN: self-signed CA DIR/NAME.{key,crt}.
-new_ca() {
-  local dir=$1 name=$2 cn=$3
-  printf '[req]\ndistinguished_name=dn\nx509_extensions=ca\n[dn]\n[ca]\n%s\n' \
-    "basicConstraints=critical,CA:TRUE
-keyUsage=critical,keyCertSign,cRLSign,digitalSignature
-subjectKeyIdentifier=hash" >"$dir/$name.cnf"
-  openssl genrsa -out "$dir/$name.key" 2048 2>/dev/null
-  openssl req -x509 -new -key "$dir/$name.key" -config "$dir/$name.cnf" -subj "/CN=$cn" \
-    -days 3650 -sha256 -out "$dir/$name.crt" 2>/dev/null
-  rm -f "$dir/$name.cnf"
-}
-
-client_ext="basicConstraints=critical,CA:FALSE
-keyUsage=critical,digitalSignature,keyEncipherment
-extendedKeyUsage=clientAuth
-authorityKeyIdentifier=keyid"
-
+# (new_ca, new_cert, client_ext and write_kubeconfig are in lib.sh.)
 # Front proxy (aggregation layer) CA and the apiserver's client cert for it.
 make_front_proxy_pki() {
   local dir=$1
   new_ca "$dir" front-proxy-ca c10m-front-proxy-ca
   new_cert "$dir" front-proxy-ca front-proxy-client "/CN=front-proxy-client" "$client_ext"
   chmod 600 "$dir"/front-proxy-*.key
+}
+
+# The apiserver's client cert for the kubelet API (logs, exec, port-forward
+# on the real node, whose kubelet authenticates clients with the plane's CA).
+make_kubelet_client_pki() {
+  new_cert "$1" ca apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$client_ext"
+  chmod 600 "$1/apiserver-kubelet-client.key"
 }
 
 make_pki() {
@@ -107,13 +79,14 @@ make_pki() {
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 authorityKeyIdentifier=keyid
-subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:$(service_ip)"
+subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:$(ip4_add "${C10M_SERVICE_CIDR%/*}" 1)"
   new_cert "$tmp" ca apiserver "/CN=kube-apiserver" "$server_ext"
   new_cert "$tmp" ca admin "/O=system:masters/CN=c10m-admin" "$client_ext"
   new_cert "$tmp" ca kube-controller-manager "/CN=system:kube-controller-manager" "$client_ext"
   new_cert "$tmp" ca kube-scheduler "/CN=system:kube-scheduler" "$client_ext"
   new_cert "$tmp" ca kwok "/O=system:masters/CN=kwok-controller" "$client_ext"
   make_front_proxy_pki "$tmp"
+  make_kubelet_client_pki "$tmp"
 
   # Service-account token signing key pair.
   openssl genrsa -out "$tmp/sa.key" 2048 2>/dev/null
@@ -146,34 +119,11 @@ if [[ ! -f "$PKI/front-proxy-client.crt" ]]; then # PKI from an older up.sh
   make_front_proxy_pki "$PKI"
   echo "  added the front-proxy CA to $PKI"
 fi
+if [[ ! -f "$PKI/apiserver-kubelet-client.crt" ]]; then # PKI from an older up.sh
+  make_kubelet_client_pki "$PKI"
+  echo "  added the apiserver's kubelet client cert to $PKI"
+fi
 
-# kubeconfig FILE USER CERT-NAME: kubeconfig with embedded client cert.
-write_kubeconfig() {
-  local file=$1 user=$2 cert=$3
-  cat >"$file.tmp" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: c10m
-  cluster:
-    server: https://127.0.0.1:$C10M_APISERVER_PORT
-    certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
-users:
-- name: $user
-  user:
-    client-certificate-data: $(base64 -w0 "$PKI/$cert.crt")
-    client-key-data: $(base64 -w0 "$PKI/$cert.key")
-contexts:
-- name: c10m
-  context:
-    cluster: c10m
-    user: $user
-    namespace: default
-current-context: c10m
-EOF
-  chmod 600 "$file.tmp"
-  if cmp -s "$file.tmp" "$file"; then rm -f "$file.tmp"; else mv "$file.tmp" "$file"; fi
-}
 write_kubeconfig "$KUBECONFIG_PATH" c10m-admin admin
 write_kubeconfig "$KUBECONFIGS/kube-controller-manager.kubeconfig" system:kube-controller-manager kube-controller-manager
 write_kubeconfig "$KUBECONFIGS/kube-scheduler.kubeconfig" system:kube-scheduler kube-scheduler
@@ -308,6 +258,8 @@ start kube-apiserver "$C10M_APISERVER_PORT" -- \
   --proxy-client-cert-file="$PKI/front-proxy-client.crt" \
   --proxy-client-key-file="$PKI/front-proxy-client.key" \
   --kubelet-preferred-address-types=InternalIP \
+  --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+  --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
   --profiling=false \
   --v=1
 wait_healthy kube-apiserver 120
@@ -461,14 +413,16 @@ wait_for() {
 # Every node Ready and without taints (TaintNodesByCondition adds
 # node.kubernetes.io/not-ready until the node lifecycle controller sees
 # Ready), and every KWOK node's lease renewed in the last 40 s: Ready alone
-# may be stale state from the previous run.
+# may be stale state from the previous run. The real node (label
+# c10m.dev/node=real, always tainted) is node.sh's to wait for.
 nodes_ready() {
-  local out leases name ready taints kwok renew now
-  out=$(k get nodes -o jsonpath='{range .items[*]}{.metadata.name}|{.status.conditions[?(@.type=="Ready")].status}|{.spec.taints}|{.metadata.annotations.kwok\.x-k8s\.io/node}{"\n"}{end}' 2>/dev/null) || return 1
+  local out leases name ready taints kwok real renew now
+  out=$(k get nodes -o jsonpath='{range .items[*]}{.metadata.name}|{.status.conditions[?(@.type=="Ready")].status}|{.spec.taints}|{.metadata.annotations.kwok\.x-k8s\.io/node}|{.metadata.labels.c10m\.dev/node}{"\n"}{end}' 2>/dev/null) || return 1
   leases=$(k get leases -n kube-node-lease -o jsonpath='{range .items[*]}{.metadata.name}|{.spec.renewTime}{"\n"}{end}' 2>/dev/null) || return 1
   [[ -n "$out" ]] || return 1
   now=$(date +%s)
-  while IFS='|' read -r name ready taints kwok; do
+  while IFS='|' read -r name ready taints kwok real; do
+    [[ "$real" == real ]] && continue
     [[ "$ready" == True && -z "$taints" ]] || return 1
     [[ "$kwok" == fake ]] || continue
     renew=$(grep "^$name|" <<<"$leases" | cut -d'|' -f2)
@@ -490,6 +444,15 @@ if ! wait_for "ServiceAccount default/default" 60 sa_exists; then
   exit 1
 fi
 step_done "ServiceAccount default/default exists"
+
+# ---------------------------------------------------------------- real node
+if [[ "$C10M_REAL_NODE" == 0 ]]; then
+  echo "up: real node skipped (C10M_REAL_NODE=0)"
+else
+  echo "up: real node $C10M_NODE_NAME (node.sh; C10M_REAL_NODE=0 skips it)"
+  C10M_PLANE_BIN=$BIN bash "$here/node.sh" up || die "node.sh up failed; see above (C10M_REAL_NODE=0 skips the real node)"
+  t_step=$EPOCHREALTIME
+fi
 
 # ---------------------------------------------------------------- smoke test
 if [[ -n "$smoke" ]]; then
