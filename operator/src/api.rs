@@ -616,7 +616,9 @@ pub struct SysctlSpec {
     pub mode: SysctlMode,
 
     /// Namespaced sysctls your kubelets allow with `--allowed-unsafe-sysctls`
-    /// (PodSecurityContext mode renders them too).
+    /// (PodSecurityContext mode renders them too, except where the nodes'
+    /// annotation `c10m.dev/allowed-unsafe-sysctls` says their kubelets do
+    /// not allow them: those are reported, never rendered).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub allowed_unsafe: Vec<String>,

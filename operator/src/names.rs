@@ -43,6 +43,14 @@ pub const NODE_SYS_RESOURCE_LABEL: &str = "c10m.dev/sys-resource";
 /// init container cannot raise node-level sysctls.
 pub const NODE_HOST_NETWORK_NAMESPACE_LABEL: &str = "c10m.dev/host-network-namespace";
 
+/// Node annotation: the namespaced sysctls the node's kubelet allows besides
+/// the safe set (its `allowedUnsafeSysctls`, which the API does not show),
+/// in the kubelet's syntax: comma-separated names or `prefix*` patterns.
+/// PodSecurityContext mode renders an `allowedUnsafe` sysctl only where
+/// every node of the plan allows it (a pod asking for one its kubelet
+/// refuses is `SysctlForbidden`).
+pub const NODE_ALLOWED_UNSAFE_SYSCTLS_ANNOTATION: &str = "c10m.dev/allowed-unsafe-sysctls";
+
 /// Value of the node-fact labels that says the node cannot do the thing.
 pub const UNAVAILABLE: &str = "unavailable";
 

@@ -21,7 +21,7 @@ use super::bundled::partial_budget_bytes;
 use super::drain;
 use super::kernel::*;
 use super::nodes::NodeRuntime;
-use super::sysctl::{FILE_MAX_SYSTEM_RESERVE, NodeLoad, plan_sysctls};
+use super::sysctl::{FILE_MAX_SYSTEM_RESERVE, NodeLoad, plan_sysctls, raises_node_sysctls};
 use super::validate::validate;
 use super::{NodeFacts, PlanError};
 
@@ -53,14 +53,6 @@ pub fn raises_own_nofile(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> b
     spec.backend.model == BackendModel::Epoll
         && spec.sysctls.mode == SysctlMode::InitContainer
         && runtime.sys_resource
-}
-
-/// True when the plan raises node-level sysctls (`tcp_mem`,
-/// `nf_conntrack_max`, `fs.file-max`, `fs.nr_open`): InitContainer mode on
-/// nodes where its init container can enter the host's network namespace.
-/// Otherwise the plan fits the kernel's defaults for them.
-pub fn raises_node_sysctls(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> bool {
-    spec.sysctls.mode == SysctlMode::InitContainer && runtime.host_network_namespace
 }
 
 /// Resolved inputs of the model.
@@ -351,7 +343,7 @@ pub fn plan_under(
     );
     let (sysctls, sysctls_not_applied) = plan_sysctls(
         spec,
-        inputs.raise_node_sysctls,
+        &node.runtime,
         &inputs.defaults,
         &inputs.ceilings,
         NodeLoad {
@@ -454,6 +446,7 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
             sys_resource: plan.server_raises_nofile,
             // Unused: the plan's own sysctls are checked.
             host_network_namespace: true,
+            unsafe_sysctls: None,
         },
     };
     let Ok(valid) = validate(spec) else {
@@ -677,6 +670,36 @@ mod tests {
             Some(&SysctlValue::One(65535))
         );
         assert_eq!(p.listen_backlog, LISTEN_BACKLOG);
+
+        // Issue 9: an allowedUnsafe sysctl the nodes' kubelets do not allow
+        // is reported, never rendered (the pod would be SysctlForbidden).
+        let s = spec(
+            serde_json::json!({"connections": 2_000_000, "sysctls": {"mode": "PodSecurityContext", "allowedUnsafe": ["net.core.somaxconn", "net.ipv4.tcp_max_syn_backlog"]}}),
+        );
+        let strict = NodeFacts {
+            runtime: NodeRuntime {
+                unsafe_sysctls: Some(super::super::SysctlSet::from_kubelet_list(
+                    "net.core.somaxconn",
+                )),
+                ..NodeRuntime::UNKNOWN
+            },
+            ..NODE
+        };
+        let p = plan(&s, strict).unwrap();
+        assert_eq!(
+            p.sysctls.keys().copied().collect::<Vec<_>>(),
+            vec![Sysctl::Somaxconn]
+        );
+        assert_eq!(
+            p.sysctls_not_applied,
+            vec![Sysctl::TcpMaxSynBacklog, Sysctl::TcpMigrateReq]
+        );
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(
+            p.sysctls.keys().copied().collect::<Vec<_>>(),
+            vec![Sysctl::Somaxconn, Sysctl::TcpMaxSynBacklog]
+        );
+
         let s = spec(
             serde_json::json!({"connections": 1, "sysctls": {"mode": "PodSecurityContext", "allowedUnsafe": ["net.ipv4.tcp_mem"]}}),
         );
@@ -898,6 +921,7 @@ mod tests {
                     nofile_hard_limit: nofile,
                     sys_resource,
                     host_network_namespace: netns,
+                    unsafe_sysctls: None,
                 };
                 (s, NodeFacts { memory_bytes: gib << 30, cpus: ncpu.max(cpus as i64), pods: 110, runtime })
             })

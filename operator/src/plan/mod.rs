@@ -23,11 +23,12 @@ pub mod sysctl;
 pub mod validate;
 
 pub use capacity::{
-    HOURS_PER_MONTH, SIZE_STEPS, check, nofile_ceiling, plan, plan_under, raises_node_sysctls,
-    raises_own_nofile, size_step, tcp_mem_pressure_pages,
+    HOURS_PER_MONTH, SIZE_STEPS, check, nofile_ceiling, plan, plan_under, raises_own_nofile,
+    size_step, tcp_mem_pressure_pages,
 };
 pub use error::PlanError;
-pub use nodes::{NodeFacts, NodeRuntime};
+pub use nodes::{NodeFacts, NodeRuntime, SysctlSet};
+pub use sysctl::raises_node_sysctls;
 
 #[cfg(test)]
 mod admitted;

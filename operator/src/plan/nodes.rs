@@ -1,11 +1,13 @@
 //! The node profile a plan uses: spec values first, else the allocatable of
-//! the smallest node matching `placement.nodeSelector` (pure).
+//! the smallest node matching `placement.nodeSelector`, with what the
+//! runtime, kubelet and kernel of every such node allow (pure).
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
 
 use super::PlanError;
+use crate::api::sysctl::Sysctl;
 use crate::api::{
     ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH, MIN_NODE_MEMORY_BYTES,
     NodeProfile, QUANTITY_PATTERN,
@@ -25,10 +27,11 @@ pub struct NodeFacts {
     pub runtime: NodeRuntime,
 }
 
-/// What a node's container runtime and kernel let a shard's pod do, from
-/// its labels ([`crate::names::NODE_NOFILE_HARD_LIMIT_LABEL`],
+/// What a node's container runtime, kubelet and kernel let a shard's pod
+/// do, from its labels ([`crate::names::NODE_NOFILE_HARD_LIMIT_LABEL`],
 /// [`crate::names::NODE_SYS_RESOURCE_LABEL`],
-/// [`crate::names::NODE_HOST_NETWORK_NAMESPACE_LABEL`]) and `spec.node`.
+/// [`crate::names::NODE_HOST_NETWORK_NAMESPACE_LABEL`]), its annotation
+/// [`crate::names::NODE_ALLOWED_UNSAFE_SYSCTLS_ANNOTATION`] and `spec.node`.
 /// Measured on a real kubelet + containerd + runc node: a container asking
 /// for a capability its node cannot grant never starts, and an init
 /// container that cannot open the host's network namespace crash-loops
@@ -42,6 +45,49 @@ pub struct NodeRuntime {
     pub sys_resource: bool,
     /// A privileged container can enter the host's network namespace.
     pub host_network_namespace: bool,
+    /// Sysctls the node's kubelet allows besides its safe set (`None`: not
+    /// said; `spec.sysctls.allowedUnsafe` is then taken at its word).
+    pub unsafe_sysctls: Option<SysctlSet>,
+}
+
+/// A set of the sysctls the planner knows ([`Sysctl::ALL`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SysctlSet(u8);
+
+const _: () = assert!(Sysctl::ALL.len() <= 8, "SysctlSet holds 8 sysctls");
+
+impl SysctlSet {
+    fn bit(sysctl: Sysctl) -> u8 {
+        let i = Sysctl::ALL
+            .iter()
+            .position(|&s| s == sysctl)
+            .expect("ALL lists every sysctl");
+        1 << i
+    }
+
+    /// True when `sysctl` is in the set.
+    pub fn contains(self, sysctl: Sysctl) -> bool {
+        self.0 & Self::bit(sysctl) != 0
+    }
+
+    /// The sysctls a kubelet `allowedUnsafeSysctls` list allows: entries
+    /// separated by commas, each a name or a `prefix*` pattern (the
+    /// kubelet's syntax, `pkg/kubelet/sysctl/allowlist.go`).
+    pub fn from_kubelet_list(list: &str) -> SysctlSet {
+        let mut set = SysctlSet::default();
+        for pattern in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            for s in Sysctl::ALL {
+                let allowed = match pattern.strip_suffix('*') {
+                    Some(prefix) => s.name().starts_with(prefix),
+                    None => s.name() == pattern,
+                };
+                if allowed {
+                    set.0 |= Self::bit(s);
+                }
+            }
+        }
+        set
+    }
 }
 
 impl NodeRuntime {
@@ -51,6 +97,7 @@ impl NodeRuntime {
         nofile_hard_limit: None,
         sys_resource: true,
         host_network_namespace: true,
+        unsafe_sysctls: None,
     };
 
     /// The facts `node`'s labels state. A nofile label that is not a
@@ -66,6 +113,12 @@ impl NodeRuntime {
             sys_resource: label(names::NODE_SYS_RESOURCE_LABEL) != Some(names::UNAVAILABLE),
             host_network_namespace: label(names::NODE_HOST_NETWORK_NAMESPACE_LABEL)
                 != Some(names::UNAVAILABLE),
+            unsafe_sysctls: node
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(names::NODE_ALLOWED_UNSAFE_SYSCTLS_ANNOTATION))
+                .map(|list| SysctlSet::from_kubelet_list(list)),
         }
     }
 
@@ -80,6 +133,10 @@ impl NodeRuntime {
             },
             sys_resource: self.sys_resource && other.sys_resource,
             host_network_namespace: self.host_network_namespace && other.host_network_namespace,
+            unsafe_sysctls: match (self.unsafe_sysctls, other.unsafe_sysctls) {
+                (Some(a), Some(b)) => Some(SysctlSet(a.0 & b.0)),
+                (a, b) => a.or(b),
+            },
         }
     }
 
@@ -89,6 +146,7 @@ impl NodeRuntime {
             nofile_hard_limit: profile.nofile_hard_limit,
             sys_resource: profile.sys_resource.unwrap_or(true),
             host_network_namespace: profile.host_network_namespace.unwrap_or(true),
+            unsafe_sysctls: None,
         }
     }
 }
@@ -390,7 +448,8 @@ mod tests {
             NodeRuntime {
                 nofile_hard_limit: Some(20_000),
                 sys_resource: false,
-                host_network_namespace: false
+                host_network_namespace: false,
+                unsafe_sysctls: None,
             }
         );
         assert_eq!(NodeRuntime::of(&node("1Gi", "1")), NodeRuntime::UNKNOWN);
@@ -406,6 +465,37 @@ mod tests {
         }
     }
 
+    /// The kubelet's `allowedUnsafeSysctls` syntax: names and `prefix*`.
+    #[test]
+    fn kubelet_unsafe_sysctl_lists_parse_names_and_prefixes() {
+        let set = SysctlSet::from_kubelet_list("net.core.somaxconn, kernel.msg*");
+        assert!(set.contains(Sysctl::Somaxconn));
+        assert!(!set.contains(Sysctl::TcpMaxSynBacklog));
+        let set = SysctlSet::from_kubelet_list("net.ipv4.tcp_*");
+        assert!(set.contains(Sysctl::TcpMaxSynBacklog) && set.contains(Sysctl::TcpMigrateReq));
+        assert!(!set.contains(Sysctl::Somaxconn));
+        assert_eq!(SysctlSet::from_kubelet_list(""), SysctlSet::default());
+        let mut a = labelled(serde_json::json!({}));
+        a.metadata.annotations = Some(
+            [(
+                "c10m.dev/allowed-unsafe-sysctls".to_string(),
+                "net.core.somaxconn,net.ipv4.tcp_max_syn_backlog".to_string(),
+            )]
+            .into(),
+        );
+        let mut b = a.clone();
+        b.metadata.annotations = Some(
+            [(
+                "c10m.dev/allowed-unsafe-sysctls".to_string(),
+                "net.core.*".to_string(),
+            )]
+            .into(),
+        );
+        let both = observed(&[a, b]).unwrap().runtime.unsafe_sysctls.unwrap();
+        assert!(both.contains(Sysctl::Somaxconn));
+        assert!(!both.contains(Sysctl::TcpMaxSynBacklog));
+    }
+
     /// A spec can take a capability away or lower the nofile limit, never
     /// grant what the cluster's nodes say they lack.
     #[test]
@@ -418,6 +508,7 @@ mod tests {
                 nofile_hard_limit: Some(20_000),
                 sys_resource: false,
                 host_network_namespace: true,
+                unsafe_sysctls: None,
             },
         };
         let with = |n: serde_json::Value| -> NodeRuntime {
@@ -436,7 +527,8 @@ mod tests {
             NodeRuntime {
                 nofile_hard_limit: Some(4096),
                 sys_resource: false,
-                host_network_namespace: false
+                host_network_namespace: false,
+                unsafe_sysctls: None,
             }
         );
         // Offline (no cluster): the spec's word.

@@ -7,6 +7,7 @@ use crate::api::{ConnectionFleetSpec, SysctlMode};
 use crate::policy::SysctlCeilings;
 
 use super::kernel::{self, KernelDefaults};
+use super::nodes::NodeRuntime;
 
 /// Sysctls the kubelet allows in a pod's `securityContext.sysctls` without
 /// `--allowed-unsafe-sysctls`, as of Kubernetes 1.35 ("Using sysctls in a
@@ -71,15 +72,24 @@ fn clamp(value: SysctlValue, default: SysctlValue, ceiling: i64) -> SysctlValue 
     }
 }
 
+/// True when the plan raises node-level sysctls (`tcp_mem`,
+/// `nf_conntrack_max`, `fs.file-max`, `fs.nr_open`): InitContainer mode on
+/// nodes where its init container can enter the host's network namespace.
+/// Otherwise the plan fits the kernel's defaults for them.
+pub fn raises_node_sysctls(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> bool {
+    spec.sysctls.mode == SysctlMode::InitContainer && runtime.host_network_namespace
+}
+
 /// The sysctls the plan applies under the spec's mode (only raises over
 /// the node's kernel defaults, node-level ones at most to the policy's
-/// `ceilings`, and only when `raise_node`:
-/// [`super::capacity::raises_node_sysctls`]) and those it wants but cannot
-/// apply. The capacity model sizes shards so the load fits under the
+/// `ceilings`, and only when [`raises_node_sysctls`]) and those it wants
+/// but cannot apply: in PodSecurityContext mode the kubelet-safe ones go
+/// in, and `spec.sysctls.allowedUnsafe` ones where the nodes' kubelets
+/// allow them (`runtime.unsafe_sysctls`, when the nodes say). The capacity model sizes shards so the load fits under the
 /// ceilings; the cut here only keeps the raise under them whatever the load.
 pub fn plan_sysctls(
     spec: &ConnectionFleetSpec,
-    raise_node: bool,
+    runtime: &NodeRuntime,
     defaults: &KernelDefaults,
     ceilings: &SysctlCeilings,
     load: NodeLoad,
@@ -100,7 +110,7 @@ pub fn plan_sysctls(
     };
 
     let mode = spec.sysctls.mode;
-    if raise_node {
+    if raises_node_sysctls(spec, runtime) {
         let [min, pressure, max] = defaults.tcp_mem;
         if load.queued_pages > pressure {
             let p = load.queued_pages;
@@ -136,11 +146,14 @@ pub fn plan_sysctls(
             SysctlMode::InitContainer => true,
             SysctlMode::PodSecurityContext => {
                 KUBELET_SAFE.contains(&sysctl.name())
-                    || spec
+                    || (spec
                         .sysctls
                         .allowed_unsafe
                         .iter()
                         .any(|a| a == sysctl.name())
+                        && runtime
+                            .unsafe_sysctls
+                            .is_none_or(|set| set.contains(sysctl)))
             }
             SysctlMode::None => false,
         };
