@@ -108,13 +108,13 @@ check_cidr() {
 # pids_where EXE-BASENAME STRING: live processes running EXE-BASENAME whose
 # command line contains STRING (ours: STRING is one of our paths).
 pids_where() {
-  local p pid
-  for p in /proc/[0-9]*; do
-    pid=${p#/proc/}
-    [[ "$(exe_name "$pid" 2>/dev/null)" == "$1" ]] || continue
-    [[ "$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" == *"$2"* ]] || continue
+  local exe pid
+  while IFS= read -r exe; do
+    pid=${exe#/proc/}
+    pid=${pid%/exe}
+    [[ "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" == *"$2"* ]] || continue
     pid_alive "$pid" && echo "$pid"
-  done
+  done < <(find /proc -mindepth 2 -maxdepth 2 -name exe \( -lname "*/$1" -o -lname "*/$1 (deleted)" \) 2>/dev/null)
   return 0
 }
 
@@ -220,7 +220,7 @@ import_archive() {
     fi
   done
   printf '%s\n%s\n%s' "$id" "$names" "$aliases" >"$stamp_file"
-  echo "  imported $(tr '\n' ' ' <<<"$names$aliases")from ${file##*/}"
+  echo "  imported $(printf '%s\n%s' "$names" "$aliases" | xargs) from ${file##*/}"
 }
 
 # ---------------------------------------------------------------- facts

@@ -447,7 +447,13 @@ step_done "ServiceAccount default/default exists"
 
 # ---------------------------------------------------------------- real node
 if [[ "$C10M_REAL_NODE" == 0 ]]; then
-  echo "up: real node skipped (C10M_REAL_NODE=0)"
+  if running_pid kubelet >/dev/null; then
+    echo "up: real node skipped (C10M_REAL_NODE=0), but its kubelet still runs; $here/node.sh down stops it"
+  else
+    echo "up: real node skipped (C10M_REAL_NODE=0)"
+    # A Node left by an earlier run would look like a real node to tests.
+    k delete node "$C10M_NODE_NAME" --ignore-not-found --wait=false >/dev/null
+  fi
 else
   echo "up: real node $C10M_NODE_NAME (node.sh; C10M_REAL_NODE=0 skips it)"
   C10M_PLANE_BIN=$BIN bash "$here/node.sh" up || die "node.sh up failed; see above (C10M_REAL_NODE=0 skips the real node)"
