@@ -427,6 +427,14 @@ up() {
   echo "  facts: hard nofile $nofile, CAP_SYS_RESOURCE $(fact sys_resource), host netns $(fact host_network_namespace)"
 
   ensure_kubelet_root
+  # The CPU manager's checkpoint may still assign CPUs to containers that
+  # no longer exist (a pod deleted shortly before the kubelet stopped). A
+  # kubelet admits pods before it drops such stale entries, so a
+  # Guaranteed pod created right after start would fail with
+  # UnexpectedAdmissionError. With no container left, no entry is valid.
+  if ! running_pid kubelet >/dev/null && [[ -z "$(ctr_ containers ls -q)" ]]; then
+    rm -f "$KROOT/cpu_manager_state" "$KROOT/memory_manager_state"
+  fi
   local cmd=(unshare -m --propagation unchanged "$here/node/kubelet-ns.sh" "$RUN/sysctl"
     "$bin/kubelet" --config="$ETC/kubelet-config.yaml" --kubeconfig="$KUBECONFIGS/kubelet.kubeconfig"
     --root-dir="$KROOT" --cert-dir="$NODE_DIR/kubelet-pki" --hostname-override="$C10M_NODE_NAME"
@@ -628,10 +636,13 @@ down() {
     done <"$HOST_CREATED"
     rm -f "$HOST_CREATED"
   fi
-  # Like /run: pod network namespaces, IPAM leases, runc and containerd state.
+  # Like /run: pod network namespaces, IPAM leases, runc and containerd
+  # state; and the CPU/memory managers' assignments to the containers just
+  # removed (see up).
   if [[ -z "$(mounts_under "$NODE_DIR")" ]]; then
     rm -rf --one-file-system "$RUN" "$NODE_DIR/containerd/root/io.containerd.grpc.v1.cri/sandboxes" \
-      "$NODE_DIR/containerd/root/io.containerd.grpc.v1.cri/containers"
+      "$NODE_DIR/containerd/root/io.containerd.grpc.v1.cri/containers" \
+      "$KROOT/cpu_manager_state" "$KROOT/memory_manager_state"
   fi
   step_done "mounts, cgroups, bridge, iptables chains and host paths cleaned up"
   echo "node: down in $(elapsed "$t0") s"
