@@ -150,10 +150,30 @@ pub struct Plan {
     /// once when its drain times out.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub drain_cut_by_policy: bool,
-    /// Node memory the plan assumed, bytes.
+    /// Node memory the plan assumed, bytes (from where: `nodeSource.memory`).
     pub node_memory_bytes: i64,
-    /// Node CPUs the plan assumed.
+    /// Node CPUs the plan assumed (from where: `nodeSource.cpus`).
     pub node_cpus: i32,
+    /// Pods per node the plan assumed (from where: `nodeSource.pods`).
+    #[serde(default)]
+    pub node_pods: i32,
+    /// Where `nodeMemoryBytes`, `nodeCpus` and `nodePods` came from. In a
+    /// cluster each is the allocatable of the smallest node matching
+    /// `spec.placement.nodeSelector`, or `spec.node`'s value where that is
+    /// smaller; a larger `spec.node` claim is not used. Node-level sysctls
+    /// are sized from this node, then cut to the admin policy's ceilings
+    /// (`sysctlsCapped` names those cut). Each value is one of: `Cluster`
+    /// (the nodes'; `spec.node` does not set it, or sets the same),
+    /// `ClusterBelowSpec` (the nodes'; `spec.node` claims more and is not
+    /// used), `SpecBelowCluster` (`spec.node`'s, smaller than the nodes'),
+    /// `Spec` (`spec.node`'s as given: offline, or no matching node reports
+    /// allocatable), `Default` (pods only: kubelet's 110).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
+    pub node_source: Option<NodeSource>,
     /// USD per month for a million connections: node price × 730 h ÷ the most
     /// connections one node holds, in millions. Set when a node price is given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -161,6 +181,52 @@ pub struct Plan {
     /// USD per month of this plan's nodes (nodes × price × 730 h).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub monthly_cost: Option<f64>,
+}
+
+/// Where each size of the plan's node profile came from
+/// (`status.plan.nodeSource`).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeSource {
+    /// Where `nodeMemoryBytes` came from (`spec.node.memory`, node allocatable `memory`).
+    pub memory: NodeValueSource,
+    /// Where `nodeCpus` came from (`spec.node.cpus`, node allocatable `cpu`).
+    pub cpus: NodeValueSource,
+    /// Where `nodePods` came from (`spec.node.pods`, node allocatable `pods`).
+    pub pods: NodeValueSource,
+}
+
+/// Where one size of the plan's node profile came from. `spec.node` can
+/// only make a size smaller than the cluster's nodes, never larger.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeValueSource {
+    /// The allocatable of the smallest node matching
+    /// `spec.placement.nodeSelector`; `spec.node` does not set it, or sets
+    /// the same.
+    Cluster,
+    /// The nodes' allocatable: `spec.node` claims more than the nodes have,
+    /// and the claim is not used.
+    ClusterBelowSpec,
+    /// `spec.node`'s value, smaller than the nodes' allocatable.
+    SpecBelowCluster,
+    /// `spec.node`'s value as given: no node to compare it with (offline
+    /// planning, or no node matching `spec.placement.nodeSelector` reports
+    /// allocatable).
+    Spec,
+    /// Neither says: kubelet's default `maxPods`, 110 (pods only).
+    Default,
+}
+
+impl NodeValueSource {
+    /// The name used in the plan.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeValueSource::Cluster => "Cluster",
+            NodeValueSource::ClusterBelowSpec => "ClusterBelowSpec",
+            NodeValueSource::SpecBelowCluster => "SpecBelowCluster",
+            NodeValueSource::Spec => "Spec",
+            NodeValueSource::Default => "Default",
+        }
+    }
 }
 
 /// A derived status field read leniently: a value this operator cannot
@@ -347,5 +413,43 @@ mod tests {
             Sysctls::from([(Sysctl::Somaxconn, SysctlValue::One(65535))])
         );
         assert_eq!(read.sysctls_not_applied, [Sysctl::TcpMigrateReq]);
+    }
+
+    /// A plan written before `nodePods` and `nodeSource` reads (pods 0, no
+    /// source, until the next reconcile writes them); a source this
+    /// operator cannot read drops only itself; what it writes reads back.
+    #[test]
+    fn node_source_is_optional_and_read_leniently() {
+        let mut plan = serde_json::json!({
+            "bytesPerConnection": {"kernel": 1, "total": 2, "user": 1},
+            "capacity": 1, "connectionsPerNode": 1, "connectionsPerShard": 1, "cpus": 1,
+            "limitingFactor": "memory", "listenBacklog": 1, "maxConnectionsPerShard": 1,
+            "memoryLimitBytes": 1, "nodeCpus": 4, "nodeMemoryBytes": 8589934592i64, "nodes": 1,
+            "nofile": 1, "shardConnectionLimit": 1, "shards": 1, "shardsPerNode": 1,
+            "sizedConnectionsPerShard": 1, "workers": 1
+        });
+        let old: Plan = serde_json::from_value(plan.clone()).unwrap();
+        assert_eq!((old.node_pods, old.node_source), (0, None));
+        plan["nodePods"] = 110.into();
+        plan["nodeSource"] =
+            serde_json::json!({"memory": "FromTheFuture", "cpus": "Cluster", "pods": "Cluster"});
+        let odd: Plan = serde_json::from_value(plan.clone()).unwrap();
+        assert_eq!((odd.node_pods, odd.node_source), (110, None));
+        plan["nodeSource"] = serde_json::json!(
+            {"memory": "ClusterBelowSpec", "cpus": "SpecBelowCluster", "pods": "Default"}
+        );
+        let read: Plan = serde_json::from_value(plan.clone()).unwrap();
+        assert_eq!(
+            read.node_source,
+            Some(NodeSource {
+                memory: NodeValueSource::ClusterBelowSpec,
+                cpus: NodeValueSource::SpecBelowCluster,
+                pods: NodeValueSource::Default,
+            })
+        );
+        assert_eq!(
+            serde_json::to_value(&read).unwrap()["nodeSource"],
+            plan["nodeSource"]
+        );
     }
 }

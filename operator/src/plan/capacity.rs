@@ -11,6 +11,7 @@
 //! Figures come from [`super::kernel`] (measured on Linux 6.18, cited in
 //! `docs/KERNEL_FACTS.md`) and the kernel sources named beside each constant.
 
+use crate::api::status::NodeSource;
 use crate::api::sysctl::{Sysctl, SysctlValue, Sysctls};
 use crate::api::{
     BackendModel, BytesPerConnection, ConnectionFleetSpec, LimitingFactor, Plan, SysctlMode,
@@ -397,6 +398,8 @@ pub fn plan_under(
         drain_cut_by_policy: drain.cut,
         node_memory_bytes: node.memory_bytes,
         node_cpus: node.cpus as i32,
+        node_pods: node.pods.clamp(0, i32::MAX as i64) as i32,
+        node_source: None,
         cost_per_million_connections_monthly: price
             .map(|p| round_cents(p * HOURS_PER_MONTH / (connections_per_node as f64 / 1e6))),
         monthly_cost: price.map(|p| round_cents(nodes as f64 * p * HOURS_PER_MONTH)),
@@ -408,6 +411,18 @@ pub fn plan_under(
             "internal: plan violates {violated:?}; please report this spec"
         )));
     }
+    Ok(plan)
+}
+
+/// [`plan_under`] on a node profile from [`super::nodes::resolve_sourced`]:
+/// the plan also says where its node's sizes came from (`nodeSource`).
+pub fn plan_sourced(
+    spec: &ConnectionFleetSpec,
+    (node, source): (NodeFacts, NodeSource),
+    policy: &Policy,
+) -> Result<Plan, PlanError> {
+    let mut plan = plan_under(spec, node, policy)?;
+    plan.node_source = Some(source);
     Ok(plan)
 }
 
@@ -894,6 +909,71 @@ mod tests {
             }
         }
         assert!(planned >= 2, "only {planned} of the claims planned");
+    }
+
+    /// Issue 13: in a cluster, node-level raises are sized from the real
+    /// node, never from a fleet's claim. A 1 PiB, 100,000-CPU claim on
+    /// 8 GiB, 4-CPU nodes: planned as claimed (offline, where the claim is
+    /// all there is) the nodes' conntrack table would go to the policy's
+    /// ceiling; on the nodes, it goes to what two 2-CPU shards on one of
+    /// them hold, the same as for a fleet claiming nothing.
+    #[test]
+    fn node_level_raises_follow_the_real_node_not_the_claim() {
+        use crate::api::status::NodeValueSource::ClusterBelowSpec;
+        use crate::plan::nodes::{resolve, resolve_sourced};
+        let claim = spec(serde_json::json!({
+            "connections": 100_000_000,
+            "node": {"memory": "1Pi", "cpus": 100_000},
+            "shard": {"cpus": 2}
+        }));
+        let small = NodeFacts {
+            memory_bytes: 8 << 30,
+            cpus: 4,
+            pods: 110,
+            runtime: NodeRuntime::UNKNOWN,
+        };
+        let policy = Policy::default();
+        let conntrack = |p: &Plan| p.sysctls[&Sysctl::NfConntrackMax].limit();
+
+        let claimed =
+            plan_sourced(&claim, resolve_sourced(&claim, None).unwrap(), &policy).unwrap();
+        assert_eq!(claimed.node_memory_bytes, 1 << 50);
+        assert_eq!(conntrack(&claimed), 67_108_800);
+        assert!(claimed.sysctls_capped.contains_key(&Sysctl::NfConntrackMax));
+
+        let real = plan_sourced(
+            &claim,
+            resolve_sourced(&claim, Some(small)).unwrap(),
+            &policy,
+        )
+        .unwrap();
+        assert!(check(&claim, &real).is_empty());
+        assert_eq!(
+            (real.node_memory_bytes, real.node_cpus, real.node_pods),
+            (8 << 30, 4, 110)
+        );
+        let source = real.node_source.unwrap();
+        assert_eq!(
+            (source.memory, source.cpus),
+            (ClusterBelowSpec, ClusterBelowSpec)
+        );
+        assert_eq!(real.shards_per_node, 2);
+        assert_eq!(conntrack(&real), 1_810_590);
+        assert!(real.sysctls_capped.is_empty(), "{:?}", real.sysctls_capped);
+
+        let mut unclaimed = claim.clone();
+        unclaimed.node = None;
+        let plain = plan_under(
+            &unclaimed,
+            resolve(&unclaimed, Some(small)).unwrap(),
+            &policy,
+        )
+        .unwrap();
+        assert_eq!(real.sysctls, plain.sysctls);
+        assert_eq!(
+            plain.node_source, None,
+            "plan_under says nothing of sources"
+        );
     }
 
     fn arb_spec() -> impl Strategy<Value = (ConnectionFleetSpec, NodeFacts)> {

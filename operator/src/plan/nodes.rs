@@ -1,12 +1,14 @@
-//! The node profile a plan uses: spec values first, else the allocatable of
-//! the smallest node matching `placement.nodeSelector`, with what the
-//! runtime, kubelet and kernel of every such node allow (pure).
+//! The node profile a plan uses: the allocatable of the smallest node
+//! matching `placement.nodeSelector`, `spec.node` only where it is smaller
+//! (or, offline, as given), with what the runtime, kubelet and kernel of
+//! every such node allow (pure).
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
 
 use super::PlanError;
+use crate::api::status::{NodeSource, NodeValueSource};
 use crate::api::sysctl::Sysctl;
 use crate::api::{
     ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH, MIN_NODE_MEMORY_BYTES,
@@ -239,46 +241,81 @@ fn spec_memory(q: &Quantity) -> Result<i64, PlanError> {
         .ok_or_else(bad)
 }
 
-/// Node profile for the spec: each `spec.node` size field wins, the
-/// observed node fills the rest; of the [`NodeRuntime`] facts the more
-/// restrictive of spec and node holds (a spec can take a capability away,
-/// never grant one a node lacks). Errors name the fields to set when
-/// neither has a value.
+/// Node profile for the spec ([`resolve_sourced`] without the sources).
 pub fn resolve(
     spec: &ConnectionFleetSpec,
     observed: Option<NodeFacts>,
 ) -> Result<NodeFacts, PlanError> {
+    resolve_sourced(spec, observed).map(|(node, _)| node)
+}
+
+/// Node profile for the spec, and where each size came from. With
+/// `observed` nodes (a cluster), each size (memory, CPUs, pods) is the
+/// smaller of `spec.node`'s and the nodes': a spec can plan for less than
+/// the real node, never for more. Without (offline), `spec.node`'s values
+/// as given. Of the [`NodeRuntime`] facts the more restrictive of spec and
+/// node holds too (a spec can take a capability away, never grant one a
+/// node lacks). Errors name the fields to set when neither has a value.
+pub fn resolve_sourced(
+    spec: &ConnectionFleetSpec,
+    observed: Option<NodeFacts>,
+) -> Result<(NodeFacts, NodeSource), PlanError> {
     let profile = spec.node.clone().unwrap_or_default();
-    let memory = match &profile.memory {
-        Some(q) => Some(spec_memory(q)?),
-        None => observed.map(|o| o.memory_bytes),
-    };
-    let cpus = profile.cpus.map(i64::from).or(observed.map(|o| o.cpus));
-    let (Some(memory_bytes), Some(cpus)) = (memory, cpus) else {
+    let spec_memory = profile.memory.as_ref().map(spec_memory).transpose()?;
+    let memory = smaller(spec_memory, observed.map(|o| o.memory_bytes));
+    let cpus = smaller(profile.cpus.map(i64::from), observed.map(|o| o.cpus));
+    let (Some((memory_bytes, memory_source)), Some((cpus, cpus_source))) = (memory, cpus) else {
         return Err(PlanError::Invalid(format!(
             "no node profile: no nodes match spec.placement.nodeSelector {:?} and spec.node.memory / spec.node.cpus are not both set",
             spec.placement.node_selector
         )));
     };
+    // spec.node's own values are bounded above; what falls short here is
+    // the nodes'.
     if memory_bytes < MIN_NODE_MEMORY_BYTES {
         return Err(PlanError::Invalid(format!(
-            "spec.node.memory must be at least 64Mi, got {memory_bytes} bytes"
+            "the nodes matching spec.placement.nodeSelector {:?} have {memory_bytes} bytes of allocatable memory; a plan needs at least 64Mi",
+            spec.placement.node_selector
         )));
     }
     if cpus < 1 {
-        return Err(PlanError::Invalid("node CPUs must be at least 1".into()));
+        return Err(PlanError::Invalid(match cpus_source {
+            NodeValueSource::Spec | NodeValueSource::SpecBelowCluster => {
+                format!("spec.node.cpus must be at least 1, got {cpus}")
+            }
+            _ => format!(
+                "the nodes matching spec.placement.nodeSelector {:?} have no whole allocatable CPU; a plan needs at least 1",
+                spec.placement.node_selector
+            ),
+        }));
     }
-    let pods = profile
-        .pods
-        .map(i64::from)
-        .or(observed.map(|o| o.pods))
-        .unwrap_or(DEFAULT_MAX_PODS);
+    let (pods, pods_source) = smaller(profile.pods.map(i64::from), observed.map(|o| o.pods))
+        .unwrap_or((DEFAULT_MAX_PODS, NodeValueSource::Default));
     let runtime = observed.map_or(NodeRuntime::UNKNOWN, |o| o.runtime);
-    Ok(NodeFacts {
-        memory_bytes,
-        cpus,
-        pods,
-        runtime: runtime.and(NodeRuntime::of_spec(&profile)),
+    Ok((
+        NodeFacts {
+            memory_bytes,
+            cpus,
+            pods,
+            runtime: runtime.and(NodeRuntime::of_spec(&profile)),
+        },
+        NodeSource {
+            memory: memory_source,
+            cpus: cpus_source,
+            pods: pods_source,
+        },
+    ))
+}
+
+/// One size of the node profile from `spec.node`'s value and the observed
+/// nodes': the smaller, and where it came from.
+fn smaller(spec: Option<i64>, node: Option<i64>) -> Option<(i64, NodeValueSource)> {
+    Some(match (spec, node) {
+        (Some(s), Some(n)) if s < n => (s, NodeValueSource::SpecBelowCluster),
+        (Some(s), Some(n)) if s > n => (n, NodeValueSource::ClusterBelowSpec),
+        (_, Some(n)) => (n, NodeValueSource::Cluster),
+        (Some(s), None) => (s, NodeValueSource::Spec),
+        (None, None) => return None,
     })
 }
 
@@ -346,7 +383,7 @@ mod tests {
     }
 
     #[test]
-    fn smallest_node_wins_and_spec_overrides() {
+    fn smallest_node_wins_and_a_smaller_spec_value_restricts_it() {
         let nodes = vec![node("256Gi", "64"), node("128Gi", "32")];
         let obs = observed(&nodes).unwrap();
         assert_eq!(
@@ -370,6 +407,121 @@ mod tests {
             err.contains("spec.placement.nodeSelector") && err.contains("pool"),
             "{err}"
         );
+    }
+
+    fn sized(node: serde_json::Value) -> ConnectionFleetSpec {
+        serde_json::from_value(serde_json::json!({"connections": 1, "node": node})).unwrap()
+    }
+
+    const SMALL: NodeFacts = NodeFacts {
+        memory_bytes: 8 << 30,
+        cpus: 4,
+        pods: 110,
+        runtime: NodeRuntime::UNKNOWN,
+    };
+
+    fn source(memory: NodeValueSource, cpus: NodeValueSource, pods: NodeValueSource) -> NodeSource {
+        NodeSource { memory, cpus, pods }
+    }
+
+    /// Issue 13: in a cluster, a fleet's `spec.node` claim of a bigger node
+    /// is not used; the plan's node is the smallest matching node, and says
+    /// the claim was passed over.
+    #[test]
+    fn a_claim_bigger_than_the_nodes_is_planned_at_the_nodes_size() {
+        use NodeValueSource::*;
+        let claim = sized(serde_json::json!({"memory": "1Pi", "cpus": 100_000, "pods": 100_000}));
+        let nodes = [node("16Gi", "8"), node("8Gi", "4")];
+        let (facts, from) = resolve_sourced(&claim, observed(&nodes)).unwrap();
+        assert_eq!(facts, SMALL);
+        assert_eq!(
+            from,
+            source(ClusterBelowSpec, ClusterBelowSpec, ClusterBelowSpec)
+        );
+        // A claim of the nodes' own size is the cluster's value.
+        let same = sized(serde_json::json!({"memory": "8Gi", "cpus": 4, "pods": 110}));
+        let (facts, from) = resolve_sourced(&same, Some(SMALL)).unwrap();
+        assert_eq!(facts, SMALL);
+        assert_eq!(from, source(Cluster, Cluster, Cluster));
+        // Without spec.node, the cluster's values.
+        let (facts, from) = resolve_sourced(&sized(serde_json::json!({})), Some(SMALL)).unwrap();
+        assert_eq!(facts, SMALL);
+        assert_eq!(from, source(Cluster, Cluster, Cluster));
+    }
+
+    /// A `spec.node` value below the nodes' is a hint the plan uses (a plan
+    /// for a smaller node fits the real one), reported as such; each size
+    /// on its own.
+    #[test]
+    fn a_smaller_spec_hint_wins_and_says_so() {
+        use NodeValueSource::*;
+        let hint = sized(serde_json::json!({"memory": "4Gi", "cpus": 8, "pods": 20}));
+        let (facts, from) = resolve_sourced(&hint, Some(SMALL)).unwrap();
+        assert_eq!(
+            (facts.memory_bytes, facts.cpus, facts.pods),
+            (4 << 30, 4, 20)
+        );
+        assert_eq!(
+            from,
+            source(SpecBelowCluster, ClusterBelowSpec, SpecBelowCluster)
+        );
+        assert_eq!(resolve(&hint, Some(SMALL)).unwrap(), facts);
+    }
+
+    /// Offline (no nodes to compare with) `spec.node` is taken as given, as
+    /// before; kubelet's default fills pods.
+    #[test]
+    fn offline_the_spec_is_taken_as_given() {
+        use NodeValueSource::*;
+        let claim = sized(serde_json::json!({"memory": "1Pi", "cpus": 100_000}));
+        let (facts, from) = resolve_sourced(&claim, None).unwrap();
+        assert_eq!(
+            (facts.memory_bytes, facts.cpus, facts.pods),
+            (1 << 50, 100_000, DEFAULT_MAX_PODS)
+        );
+        assert_eq!(from, source(Spec, Spec, Default));
+        let with_pods = sized(serde_json::json!({"memory": "1Gi", "cpus": 2, "pods": 7}));
+        assert_eq!(resolve_sourced(&with_pods, None).unwrap().1.pods, Spec);
+    }
+
+    /// What falls short of a plan's minimum names where it came from.
+    #[test]
+    fn too_small_a_node_names_its_source() {
+        let tiny = NodeFacts {
+            memory_bytes: 1 << 20,
+            cpus: 0,
+            ..SMALL
+        };
+        let err = resolve(&sized(serde_json::json!({"memory": "1Gi"})), Some(tiny))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("spec.placement.nodeSelector") && err.contains("64Mi"),
+            "{err}"
+        );
+        let err = resolve(
+            &sized(serde_json::json!({"cpus": 2})),
+            Some(NodeFacts { cpus: 0, ..SMALL }),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("spec.placement.nodeSelector"), "{err}");
+    }
+
+    proptest::proptest! {
+        /// In a cluster a size is never above the nodes' nor the spec's.
+        #[test]
+        fn a_spec_never_plans_a_node_above_the_real_one(
+            (mem_mi, cpus, pods) in (64i64..=1 << 30, 1i32..=100_000, 1i32..=100_000),
+            (node_mem, node_cpus, node_pods) in (64i64 << 20..=1 << 50, 1i64..=100_000, 1i64..=100_000),
+        ) {
+            let spec = sized(serde_json::json!({"memory": format!("{mem_mi}Mi"), "cpus": cpus, "pods": pods}));
+            let real = NodeFacts { memory_bytes: node_mem, cpus: node_cpus, pods: node_pods, runtime: NodeRuntime::UNKNOWN };
+            let (facts, _) = resolve_sourced(&spec, Some(real)).unwrap();
+            proptest::prop_assert_eq!(facts.memory_bytes, node_mem.min(mem_mi << 20));
+            proptest::prop_assert_eq!(facts.cpus, node_cpus.min(cpus.into()));
+            proptest::prop_assert_eq!(facts.pods, node_pods.min(pods.into()));
+        }
     }
 
     /// A Node's allocatable is not bounded by any schema: a node reporting
