@@ -29,6 +29,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
 
+use crate::api::status::NodeSource;
 use crate::api::{ConnectionFleet, Plan, SysctlMode};
 use crate::autoscale;
 use crate::names::FIELD_MANAGER;
@@ -398,7 +399,7 @@ fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ende
 #[allow(clippy::result_large_err)]
 fn plan_fleet(
     fleet: &ConnectionFleet,
-    node: Result<NodeFacts, PlanError>,
+    node: Result<(NodeFacts, NodeSource), PlanError>,
     policy: &Policy,
 ) -> Result<Plan, Ended> {
     let rejected = |reason, e: PlanError| Ended::Rejected {
@@ -423,7 +424,7 @@ fn plan_fleet(
     let node = node.map_err(|e| rejected(Reason::NoNodeProfile, e))?;
     plan::validate::queries(spec, &ns, &fleet.name_any())
         .map_err(|e| rejected(Reason::InvalidSpec, e))?;
-    plan::plan_under(spec, node, policy).map_err(|e| match e {
+    plan::capacity::plan_sourced(spec, node, policy).map_err(|e| match e {
         PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
         PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),
     })

@@ -40,8 +40,9 @@ const SECRET: &str = "/api/v1/namespaces/prod/secrets/edge-admin";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/prod/events";
 const REPLICA_SETS: &str = "/apis/apps/v1/namespaces/prod/replicasets";
 const PODS: &str = "/api/v1/namespaces/prod/pods";
+const NODES: &str = "/api/v1/nodes";
 /// Collections the operator lists; a GET of one answers the stored objects under it.
-const COLLECTIONS: [&str; 2] = [REPLICA_SETS, PODS];
+const COLLECTIONS: [&str; 3] = [REPLICA_SETS, PODS, NODES];
 const DEPLOYMENT_UID: &str = "0d0d0d0d-0000-4000-8000-00000000000d";
 
 /// A fleet as the API server stores it (uid, generation, namespace).
@@ -61,7 +62,7 @@ fn fleet(spec: Value) -> ConnectionFleet {
     .expect("a valid ConnectionFleet")
 }
 
-/// A spec that plans without a node list (node memory and CPUs given).
+/// A spec that plans with no node in the cluster (node memory and CPUs given).
 fn feasible() -> Value {
     json!({"connections": 1_000_000, "node": {"memory": "256Gi", "cpus": 64}})
 }
@@ -407,6 +408,59 @@ async fn the_policy_refuses_before_anything_is_applied() {
         allowed.sysctl_image.as_str()
     );
     assert_eq!(pod["automountServiceAccountToken"], false);
+}
+
+/// Issue 13: in a cluster the nodes size the plan, never the fleet's
+/// `spec.node` claim: a 1 PiB, 100,000-CPU claim on an 8 GiB, 4-CPU node is
+/// planned, and its node-level sysctls raised, for the node, and
+/// `status.plan.nodeSource` says the claim was passed over.
+#[tokio::test]
+async fn a_claim_bigger_than_the_nodes_is_planned_and_raised_for_the_nodes() {
+    let cached = fleet(json!({
+        "connections": 100_000_000,
+        "node": {"memory": "1Pi", "cpus": 100_000},
+        "shard": {"cpus": 2}
+    }));
+    let mut cluster = Cluster::with_fleet(&cached);
+    cluster.objects.insert(
+        format!("{NODES}/small"),
+        json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": "small"},
+            "status": {"allocatable": {"memory": "8Gi", "cpu": "4", "pods": "110"}}
+        }),
+    );
+    let h = Harness::start(cluster);
+    h.reconcile(&cached).await.unwrap();
+    let calls = h.api.take();
+    assert!(
+        calls.iter().any(|c| c.is(Method::GET, NODES)),
+        "the nodes are listed although spec.node gives every size: {calls:#?}"
+    );
+    let written = status_writes(&calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    let plan = &written[0]["plan"];
+    assert_eq!(plan["nodeMemoryBytes"], json!(8i64 << 30), "{plan}");
+    assert_eq!(plan["nodeCpus"], 4, "{plan}");
+    assert_eq!(plan["nodePods"], 110, "{plan}");
+    assert_eq!(
+        plan["nodeSource"],
+        json!({"memory": "ClusterBelowSpec", "cpus": "ClusterBelowSpec", "pods": "Cluster"})
+    );
+    assert_eq!(
+        plan["sysctls"]["net.netfilter.nf_conntrack_max"], "1810590",
+        "two 2-CPU shards on the 8 GiB node, not the claim's 67108800: {plan}"
+    );
+    assert!(plan.get("sysctlsCapped").is_none(), "{plan}");
+    let applied = writes_to(&calls, DEPLOYMENT);
+    let init = &applied[0].body.as_ref().unwrap()["spec"]["template"]["spec"]["initContainers"][0];
+    assert!(
+        init["args"].as_array().unwrap().contains(&json!(
+            "--raise-node=net.netfilter.nf_conntrack_max=1810590"
+        )),
+        "{init}"
+    );
 }
 
 #[tokio::test]

@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 
 use super::Error;
 use crate::api::ConnectionFleet;
+use crate::api::status::NodeSource;
 use crate::names::{FLEET_LABEL, secret_name};
 use crate::plan::{NodeFacts, PlanError, nodes};
 
@@ -31,36 +32,32 @@ pub async fn fleet(
         .map_err(Error::observe(format!("get ConnectionFleet {name}")))
 }
 
-/// Node profile for the fleet: spec values first, else the allocatable of
-/// the smallest node matching its nodeSelector. The inner error is the
+/// Node profile for the fleet and where its sizes came from: the
+/// allocatable of the smallest node matching its nodeSelector, `spec.node`
+/// only where it is smaller ([`nodes::resolve_sourced`]). The nodes are
+/// listed even when `spec.node` gives every size: a fleet's claim never
+/// sizes node-level limits past the real node. The inner error is the
 /// plan's (no profile), the outer one an API failure.
 pub async fn node_facts(
     client: &Client,
     fleet: &ConnectionFleet,
-) -> Result<Result<NodeFacts, PlanError>, Error> {
-    let spec_complete = fleet
+) -> Result<Result<(NodeFacts, NodeSource), PlanError>, Error> {
+    let selector = fleet
         .spec
-        .node
-        .as_ref()
-        .is_some_and(|n| n.memory.is_some() && n.cpus.is_some());
-    let observed = if spec_complete {
-        None
-    } else {
-        let selector = fleet
-            .spec
-            .placement
-            .node_selector
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let list = Api::<Node>::all(client.clone())
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .map_err(|source| Error::Nodes { source })?;
-        nodes::observed(&list.items)
-    };
-    Ok(nodes::resolve(&fleet.spec, observed))
+        .placement
+        .node_selector
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let list = Api::<Node>::all(client.clone())
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .map_err(|source| Error::Nodes { source })?;
+    Ok(nodes::resolve_sourced(
+        &fleet.spec,
+        nodes::observed(&list.items),
+    ))
 }
 
 /// The first object the fleet would own (Deployment, Service,
