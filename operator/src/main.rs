@@ -66,10 +66,12 @@ enum Command {
         /// Output format.
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
-        /// Node memory when the manifest has no spec.node.memory (e.g. 256Gi).
+        /// Allocatable memory of the nodes, standing in for the cluster's (e.g. 256Gi):
+        /// the plan uses the smaller of this and spec.node.memory.
         #[arg(long)]
         node_memory: Option<String>,
-        /// Node CPUs when the manifest has no spec.node.cpus.
+        /// Allocatable CPUs of the nodes, standing in for the cluster's: the plan uses
+        /// the smaller of this and spec.node.cpus.
         #[arg(long, value_parser = clap::value_parser!(i64).range(1..=100_000))]
         node_cpus: Option<i64>,
         /// Plan under this policy file (sysctl ceilings, grace bound) instead of the built-in one.
@@ -162,11 +164,11 @@ fn plan_offline(
         if out.iter().any(|(n, _, _)| *n == name) {
             bail!("two fleets named {name}");
         }
-        let node = nodes::resolve(&fleet.spec, observed).with_context(|| {
+        let node = nodes::resolve_sourced(&fleet.spec, observed).with_context(|| {
             format!("fleet {name} (offline: set spec.node.memory and spec.node.cpus, or pass --node-memory and --node-cpus)")
         })?;
-        let plan =
-            plan::plan_under(&fleet.spec, node, policy).with_context(|| format!("fleet {name}"))?;
+        let plan = plan::capacity::plan_sourced(&fleet.spec, node, policy)
+            .with_context(|| format!("fleet {name}"))?;
         out.push((name, fleet.spec.connections, plan));
     }
     match output {

@@ -68,8 +68,24 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     row("limitingFactor", plan.limiting_factor.as_str().to_string());
     row(
         "node",
-        format!("{} CPUs, {}", plan.node_cpus, bytes(plan.node_memory_bytes)),
+        format!(
+            "{} CPUs, {}, {} pods",
+            plan.node_cpus,
+            bytes(plan.node_memory_bytes),
+            plan.node_pods
+        ),
     );
+    if let Some(s) = &plan.node_source {
+        row(
+            "nodeSource",
+            format!(
+                "cpus {}, memory {}, pods {}",
+                s.cpus.as_str(),
+                s.memory.as_str(),
+                s.pods.as_str()
+            ),
+        );
+    }
     for (k, v) in &plan.sysctls {
         row(&format!("sysctl {k}"), v.to_string());
     }
