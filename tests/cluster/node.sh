@@ -29,11 +29,16 @@ HOST_CREATED=$NODE_DIR/host-created  # host paths that did not exist before up
 KUBE_CHAINS_BEFORE=$NODE_DIR/kube-chains-before
 FACTS=$NODE_DIR/facts
 IMPORTED=$NODE_DIR/imported          # stamps of imported archives
-# Host paths kubelet, containerd or CNI create outside $NODE_DIR. The
-# kubelet's device-plugin socket dir /var/lib/kubelet/device-plugins and
-# containerd 1.6's shim sockets /run/containerd/s/ are hard-coded.
-HOST_PATHS=(/var/lib/kubelet /run/containerd /var/log/containers /var/log/pods /var/lib/cni
-  /usr/libexec/kubernetes /etc/kubernetes /var/lib/containerd)
+# Host paths the kubelet and containerd create outside $NODE_DIR whatever
+# their configuration says: the kubelet's device-plugin socket
+# (/var/lib/kubelet/device-plugins/kubelet.sock), its log symlinks
+# (/var/log/containers/), containerd 1.6's shim sockets (/run/containerd/s/)
+# and libcni's result cache (/var/lib/cni/results/<network>-<id>-<if>).
+# host-state.sh also lists other default paths (/var/log/pods, ...) that
+# nothing creates here.
+HOST_PATHS=(/var/lib/kubelet /var/log/containers /run/containerd /run/containerd/s
+  /var/lib/cni /var/lib/cni/results)
+CRI_ROOT=$NODE_DIR/containerd/root/io.containerd.grpc.v1.cri
 LABEL_NODE=c10m.dev/node
 LABEL_NOFILE=c10m.dev/nofile-hard-limit
 LABEL_SYS_RESOURCE=c10m.dev/sys-resource
@@ -539,14 +544,19 @@ unmount_all() {
   return 1
 }
 
-# Stale sockets of our shims in /run/containerd/s: containerd 1.6 names
-# them sha256(<containerd's grpc address>/<namespace>/<sandbox id>), and a
-# shim killed before its task was deleted leaves its socket behind.
-remove_shim_sockets() {
+# remove_leftovers ID...: what our containers (IDs) left in host directories
+# that other runtimes may share. /run/containerd/s: containerd 1.6 names a
+# shim's socket sha256(<containerd's grpc address>/<namespace>/<sandbox
+# id>), and a shim killed before its task was deleted leaves it behind.
+# /var/lib/cni/results: libcni caches each sandbox's result as
+# <network>-<sandbox id>-<interface> until the CNI DEL, which a sandbox
+# killed without the kubelet never gets.
+remove_leftovers() {
   local id hex
   for id in "$@"; do
+    [[ "$id" =~ ^[0-9a-f]{64}$ ]] || continue
     hex=$(printf '%s' "$SOCK/k8s.io/$id" | sha256sum | cut -d' ' -f1)
-    rm -f "/run/containerd/s/$hex"
+    rm -f "/run/containerd/s/$hex" /var/lib/cni/results/*-"$id"-*
   done
 }
 
@@ -577,7 +587,7 @@ remove_kube_chains() {
 }
 
 down() {
-  local pid ids='' rc=0 p i
+  local pid ids rc=0 p i
   if [[ ! -d "$NODE_DIR" ]]; then
     echo "node: nothing to do ($NODE_DIR does not exist)"
     return 0
@@ -589,17 +599,19 @@ down() {
     step_done "pods on $C10M_NODE_NAME gone"
   fi
 
+  # Sandbox ids, also when containerd is not running.
+  ids=$(find "$CRI_ROOT/sandboxes" -mindepth 1 -maxdepth 1 -printf '%f ' 2>/dev/null || true)
   if running_pid kubelet >/dev/null; then stop_component kubelet >/dev/null; fi
   rm -f "$PIDS/kubelet.pid" "$PIDS/kubelet.cmd"
   for pid in $(pids_where kubelet "$NODE_DIR/"); do stop_pid "untracked kubelet" "$pid"; done
 
   if running_pid containerd >/dev/null && health_containerd; then
-    ids=$(ctr_ containers ls -q 2>/dev/null || true)
+    ids+=" $(ctr_ containers ls -q 2>/dev/null | tr '\n' ' ' || true)"
     for i in $(ctr_ tasks ls -q 2>/dev/null || true); do
       ctr_ tasks rm -f "$i" >/dev/null 2>&1 || true
     done
     # shellcheck disable=SC2086
-    [[ -z "$ids" ]] || ctr_ containers rm $ids >/dev/null 2>&1 || true
+    [[ -z "${ids// /}" ]] || ctr_ containers rm $ids >/dev/null 2>&1 || true
   fi
   kill_cgroup_procs
   if running_pid containerd >/dev/null; then stop_component containerd >/dev/null; fi
@@ -611,7 +623,7 @@ down() {
   unmount_all || rc=1
   remove_cgroups || rc=1
   # shellcheck disable=SC2086
-  remove_shim_sockets $ids
+  remove_leftovers $ids
   # veths of pods whose network namespace was just released go with it
   for ((i = 0; i < 50; i++)); do
     [[ -z "$(ip -o link show master "$C10M_NODE_BRIDGE" 2>/dev/null)" ]] && break
@@ -620,11 +632,15 @@ down() {
   ip link del "$C10M_NODE_BRIDGE" 2>/dev/null || true
   remove_kube_chains
   rm -f "$KUBE_CHAINS_BEFORE"
+  # In a /var/log/containers that was there before: our pods' log symlinks.
+  if [[ -d /var/log/containers ]]; then
+    find /var/log/containers -maxdepth 1 -type l -lname "$POD_LOGS/*" -delete 2>/dev/null || true
+  fi
   if [[ -f "$HOST_CREATED" ]]; then
     while read -r p; do
       [[ -n "$p" && -e "$p" ]] || continue
-      if [[ "$p" == /run/containerd ]] && grep -q ' /run/containerd/' /proc/net/unix; then
-        warn "/run/containerd holds sockets in use; left in place"
+      if grep -qF " $p/" /proc/net/unix; then
+        warn "$p holds sockets in use; left in place"
         continue
       fi
       [[ -z "$(mounts_under "$p")" ]] || {
@@ -640,8 +656,7 @@ down() {
   # state; and the CPU/memory managers' assignments to the containers just
   # removed (see up).
   if [[ -z "$(mounts_under "$NODE_DIR")" ]]; then
-    rm -rf --one-file-system "$RUN" "$NODE_DIR/containerd/root/io.containerd.grpc.v1.cri/sandboxes" \
-      "$NODE_DIR/containerd/root/io.containerd.grpc.v1.cri/containers" \
+    rm -rf --one-file-system "$RUN" "$CRI_ROOT/sandboxes" "$CRI_ROOT/containers" \
       "$KROOT/cpu_manager_state" "$KROOT/memory_manager_state"
   fi
   step_done "mounts, cgroups, bridge, iptables chains and host paths cleaned up"
