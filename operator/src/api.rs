@@ -109,8 +109,10 @@ pub struct ConnectionFleetSpec {
     #[serde(default)]
     pub backend: Backend,
 
-    /// Node profile. Unset fields come from the allocatable of the nodes that
-    /// match `placement.nodeSelector` (the smallest of them).
+    /// Node profile. In a cluster each size comes from the allocatable of
+    /// the smallest node matching `placement.nodeSelector` whose taints the
+    /// fleet tolerates; a value set here is used only where it is smaller
+    /// (`status.plan.nodeSource` says which). Offline, the values here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<NodeProfile>,
 

@@ -5,7 +5,8 @@
 //! - [`kernel`]: measured kernel facts and the kernel's defaults;
 //! - [`bundled`]: keepalive and the unfinished-input budget the plan gives
 //!   the bundled server;
-//! - [`nodes`]: the node profile (spec values, else the cluster's nodes);
+//! - [`nodes`]: the node profile (the cluster's placeable nodes, `spec.node`
+//!   only where smaller; offline `spec.node`) and what their runtimes allow;
 //! - [`validate`]: what the schema cannot check, parsed once;
 //! - [`sysctl`]: which sysctls a plan raises, under which mode, up to the
 //!   policy's ceilings;

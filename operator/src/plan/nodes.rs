@@ -3,7 +3,7 @@
 //! (or, offline, as given), with what the runtime, kubelet and kernel of
 //! every such node allow (pure).
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
 
@@ -191,6 +191,50 @@ fn observed_units(q: &Quantity, max: i64) -> Option<i64> {
             v.floor() as i64
         }
     })
+}
+
+/// True when `toleration` tolerates `taint`: Kubernetes' rule
+/// (`ToleratesTaint`, k8s.io/api/core/v1/toleration.go): an empty effect
+/// matches every effect, an empty key (with `Exists`) every key, `Exists`
+/// any value, `Equal` (the default) only the same value.
+pub fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
+    let effect = toleration
+        .effect
+        .as_deref()
+        .is_none_or(|e| e.is_empty() || e == taint.effect);
+    let key = toleration
+        .key
+        .as_deref()
+        .is_none_or(|k| k.is_empty() || k == taint.key);
+    let value = match toleration.operator.as_deref() {
+        Some("Exists") => true,
+        None | Some("") | Some("Equal") => {
+            toleration.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
+        }
+        Some(_) => false,
+    };
+    effect && key && value
+}
+
+/// The nodes among `nodes` the scheduler may place a pod with
+/// `tolerations` on: every `NoSchedule` and `NoExecute` taint of the node
+/// tolerated (`PreferNoSchedule` only steers). A node a fleet's pods cannot
+/// land on says nothing about the plan (a tainted real node with one CPU
+/// must not shrink the shards of fleets that never go there).
+pub fn placeable(nodes: &[Node], tolerations: &[Toleration]) -> Vec<Node> {
+    nodes
+        .iter()
+        .filter(|n| {
+            n.spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .into_iter()
+                .flatten()
+                .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
+                .all(|t| tolerations.iter().any(|tol| tolerates(tol, t)))
+        })
+        .cloned()
+        .collect()
 }
 
 /// The node a fleet whose pods may land on any of `nodes` plans for: the
@@ -614,6 +658,53 @@ mod tests {
         for bad in ["lots", "-5", "1023", "1073741817", "20000 "] {
             let n = labelled(serde_json::json!({"c10m.dev/nofile-hard-limit": bad}));
             assert_eq!(NodeRuntime::of(&n).nofile_hard_limit, None, "{bad:?}");
+        }
+    }
+
+    /// A tainted node is planned for only by fleets that tolerate the
+    /// taint (the test plane's real node: 1 CPU, no SYS_RESOURCE).
+    #[test]
+    fn only_nodes_whose_taints_are_tolerated_are_planned_for() {
+        let mut real = labelled(serde_json::json!({"c10m.dev/sys-resource": "unavailable"}));
+        real.spec = serde_json::from_value(serde_json::json!({"taints": [
+            {"key": "c10m.dev/real-node", "value": "true", "effect": "NoSchedule"},
+            {"key": "soft", "effect": "PreferNoSchedule"}
+        ]}))
+        .unwrap();
+        let kwok = node("256Gi", "64");
+        let tol = |v: serde_json::Value| -> Vec<Toleration> { serde_json::from_value(v).unwrap() };
+        let none = placeable(&[real.clone(), kwok.clone()], &[]);
+        assert_eq!(none.len(), 1);
+        assert!(observed(&none).unwrap().runtime.sys_resource);
+        for (t, fits) in [
+            (
+                serde_json::json!([{"key": "c10m.dev/real-node", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]),
+                true,
+            ),
+            (
+                serde_json::json!([{"key": "c10m.dev/real-node", "value": "true"}]),
+                true,
+            ),
+            (
+                serde_json::json!([{"key": "c10m.dev/real-node", "operator": "Exists"}]),
+                true,
+            ),
+            (serde_json::json!([{"operator": "Exists"}]), true),
+            (
+                serde_json::json!([{"key": "c10m.dev/real-node", "value": "false"}]),
+                false,
+            ),
+            (
+                serde_json::json!([{"key": "c10m.dev/real-node", "operator": "Exists", "effect": "NoExecute"}]),
+                false,
+            ),
+            (
+                serde_json::json!([{"key": "other", "operator": "Exists"}]),
+                false,
+            ),
+        ] {
+            let nodes = placeable(&[real.clone(), kwok.clone()], &tol(t.clone()));
+            assert_eq!(nodes.len(), if fits { 2 } else { 1 }, "{t}");
         }
     }
 

@@ -33,7 +33,8 @@ pub async fn fleet(
 }
 
 /// Node profile for the fleet and where its sizes came from: the
-/// allocatable of the smallest node matching its nodeSelector, `spec.node`
+/// allocatable of the smallest node matching its nodeSelector whose taints
+/// it tolerates, `spec.node`
 /// only where it is smaller ([`nodes::resolve_sourced`]). The nodes are
 /// listed even when `spec.node` gives every size: a fleet's claim never
 /// sizes node-level limits past the real node. The inner error is the
@@ -54,9 +55,10 @@ pub async fn node_facts(
         .list(&ListParams::default().labels(&selector))
         .await
         .map_err(|source| Error::Nodes { source })?;
+    let placeable = nodes::placeable(&list.items, &fleet.spec.placement.tolerations);
     Ok(nodes::resolve_sourced(
         &fleet.spec,
-        nodes::observed(&list.items),
+        nodes::observed(&placeable),
     ))
 }
 
