@@ -44,6 +44,11 @@ LABEL_NOFILE=c10m.dev/nofile-hard-limit
 LABEL_SYS_RESOURCE=c10m.dev/sys-resource
 LABEL_HOST_NETNS=c10m.dev/host-network-namespace
 TAINT=c10m.dev/real-node=true:NoSchedule
+# The kubelet's allowedUnsafeSysctls (node/kubelet-config.yaml), stated on
+# the Node in this annotation, which the operator reads: the API shows no
+# kubelet configuration.
+ANNOTATION_UNSAFE_SYSCTLS=c10m.dev/allowed-unsafe-sysctls
+ALLOWED_UNSAFE_SYSCTLS=net.core.somaxconn
 
 k() { kubectl --kubeconfig "$KUBECONFIG_PATH" --request-timeout=10s "$@"; }
 ctr_() { ctr -a "$SOCK" -n k8s.io "$@"; }
@@ -326,6 +331,7 @@ render() { # TEMPLATE OUT: substitutes the @NAME@ placeholders
   s=${s//@KUBELET_PORT@/"$C10M_KUBELET_PORT"}
   s=${s//@HEALTHZ_PORT@/"$C10M_KUBELET_HEALTHZ_PORT"}
   s=${s//@PKI@/"$PKI"}
+  s=${s//@ALLOWED_UNSAFE_SYSCTLS@/"$ALLOWED_UNSAFE_SYSCTLS"}
   [[ "$s" != *@[A-Z_]*@* ]] || die "unrendered placeholder in $1"
   printf '%s\n' "$s" >"$2.tmp"
   if cmp -s "$2.tmp" "$2"; then rm -f "$2.tmp"; else mv "$2.tmp" "$2"; fi
@@ -460,6 +466,8 @@ up() {
   if [[ "$(fact sys_resource)" == unavailable ]]; then set+=("$LABEL_SYS_RESOURCE=unavailable"); else set+=("$LABEL_SYS_RESOURCE-"); fi
   if [[ "$(fact host_network_namespace)" == unavailable ]]; then set+=("$LABEL_HOST_NETNS=unavailable"); else set+=("$LABEL_HOST_NETNS-"); fi
   k label node "$C10M_NODE_NAME" --overwrite "${set[@]}" >/dev/null 2>&1 || die "cannot label node $C10M_NODE_NAME"
+  k annotate node "$C10M_NODE_NAME" --overwrite "$ANNOTATION_UNSAFE_SYSCTLS=$ALLOWED_UNSAFE_SYSCTLS" >/dev/null ||
+    die "cannot annotate node $C10M_NODE_NAME"
   k taint node "$C10M_NODE_NAME" "$TAINT" --overwrite >/dev/null || die "cannot taint node $C10M_NODE_NAME"
   k uncordon "$C10M_NODE_NAME" >/dev/null || die "cannot uncordon node $C10M_NODE_NAME"
   if ! wait_until "node $C10M_NODE_NAME Ready" 90 node_schedulable; then
