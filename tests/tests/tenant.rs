@@ -211,8 +211,16 @@ fn a_tenant_cannot_reach_past_the_policy() {
     let grace = pod["terminationGracePeriodSeconds"].as_i64().unwrap();
     assert!(grace <= 3600, "grace {grace}");
     assert_eq!(pod["automountServiceAccountToken"], false);
-    assert_eq!(
-        pod["containers"][0]["securityContext"]["runAsGroup"], 65532,
+    // InitContainer mode: the server starts as root and drops to
+    // 65532:65532 itself (ADR 0008); never group 0 once serving.
+    let server = &pod["containers"][0];
+    assert_eq!(server["securityContext"]["runAsGroup"], 0, "{pod}");
+    assert!(
+        server["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "C10M_RUN_AS" && e["value"] == "65532:65532"),
         "{pod}"
     );
     let message = condition(&f, "Degraded").unwrap()["message"].clone();
