@@ -12,11 +12,12 @@ OPERATOR := target/debug/c10m-operator
 # The operator's modules from the leaves up: none may import one listed after it.
 OPERATOR_LAYERS := names,reason,telemetry,promql,policy,api,plan,render,autoscale,status,reconcile,controller,table
 
-.PHONY: help deps build cluster-up demo down test test-unit lint crd measure-server
+.PHONY: help deps build images cluster-up demo down test test-unit lint crd measure-server
 
 help:
 	@echo "make demo              local control plane + operator + example fleet (CLUSTER=current: your kubectl context)"
 	@echo "make down              stop the demo operator and the local control plane"
+	@echo "make images            server + operator images, FROM scratch, built offline (buildah) into \$$C10M_CACHE/images/*.tar"
 	@echo "make test              unit, property and end-to-end tests (brings the plane up and down itself)"
 	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, module layers, helm lint"
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
@@ -32,6 +33,9 @@ deps:
 build:
 	$(CARGO) build --workspace --bins
 
+images: deps
+	bash tools/images.sh
+
 cluster-up: deps
 	bash tests/cluster/up.sh
 
@@ -42,7 +46,7 @@ down:
 	@bash tests/demo.sh --stop
 	bash tests/cluster/down.sh
 
-test: deps build
+test: deps build images
 	bash tests/run.sh
 
 test-unit:

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# tools/images.sh: `make images`. Builds the server image (c10m-server +
+# c10m-sysctl, server-image/Dockerfile) and the operator image
+# (operator/Dockerfile) offline, and writes them as docker-archive tars that
+# `ctr -n k8s.io images import` takes under the names the operator and the chart
+# render (docker.io/c10m/server:TAG, docker.io/c10m/operator:TAG):
+#
+#   $C10M_CACHE/images/c10m-server.tar
+#   $C10M_CACHE/images/c10m-operator.tar
+#
+# 1. cargo builds the three binaries statically for x86_64-unknown-linux-musl
+#    (target/x86_64-unknown-linux-musl/release, apart from the debug builds).
+# 2. Each image's build context, target/images/{server,operator}/, gets its
+#    binaries; the Dockerfiles are FROM scratch and only COPY them.
+# 3. buildah (Debian's, daemonless; vfs storage and temp files under
+#    $C10M_CACHE/buildah, chroot isolation, nothing pulled) builds each image
+#    and pushes it to its archive. An image whose Dockerfile, binaries and this
+#    script are unchanged since its archive was written is not rebuilt.
+# 4. Prints a JSON array: each image's name, id (its config digest: the image
+#    ID crictl shows), size (bytes of its layers, uncompressed) and archive.
+#
+# usage: tools/images.sh             steps 1-4
+#        tools/images.sh --contexts  steps 1-2 only, for `docker build`:
+#   docker build -f server-image/Dockerfile -t c10m/server:0.1.0 target/images/server
+#   docker build -f operator/Dockerfile -t c10m/operator:0.1.0 target/images/operator
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+contexts_only=false
+case "${1:-}" in
+  "") ;;
+  --contexts) contexts_only=true ;;
+  *) echo "usage: $0 [--contexts]" >&2; exit 2 ;;
+esac
+
+cache=${C10M_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/c10m}
+triple=x86_64-unknown-linux-musl
+target_dir=${CARGO_TARGET_DIR:-target}
+bin_dir=$target_dir/$triple/release
+ctx_root=$target_dir/images
+
+# One version for both images: the workspace's, which the chart's appVersion
+# (the operator's tag) and the operator's default server image must match.
+tag=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' Cargo.toml)
+app=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/c10m-operator/Chart.yaml)
+if [[ -z $tag || $tag != "$app" ]]; then
+  echo "error: workspace version '$tag' and the chart's appVersion '$app' differ" >&2
+  exit 1
+fi
+
+# --- 1. static binaries ---------------------------------------------------
+# musl, not static glibc: the operator resolves DNS names (a Prometheus
+# Service), which static glibc cannot do without NSS in a scratch image.
+# ring's C code is compiled with musl-gcc when present (Debian: musl-tools),
+# else with the host's cc: ring's C needs no libc headers beyond what both
+# share, and the static link would fail on any glibc-only symbol.
+if [[ -z ${CC_x86_64_unknown_linux_musl:-} ]] &&
+   ! command -v musl-gcc >/dev/null && ! command -v x86_64-linux-musl-gcc >/dev/null; then
+  export CC_x86_64_unknown_linux_musl=cc
+fi
+echo "== cargo build --release --target $triple (c10m-server, c10m-sysctl, c10m-operator)" >&2
+"${CARGO:-cargo}" build --release --locked --target "$triple" \
+  -p c10m-server -p c10m-operator --bins
+
+for b in c10m-server c10m-sysctl c10m-operator; do
+  if command -v readelf >/dev/null &&
+     LC_ALL=C readelf -lW "$bin_dir/$b" | grep -q 'program interpreter'; then
+    echo "error: $bin_dir/$b is dynamically linked" >&2
+    exit 1
+  fi
+done
+
+# --- 2. build contexts ----------------------------------------------------
+fill() { # fill CONTEXT BINARY...: the context holds exactly these binaries
+  local ctx=$ctx_root/$1; shift
+  rm -rf "$ctx.new" && mkdir -p "$ctx.new"
+  for b in "$@"; do install -m 0755 "$bin_dir/$b" "$ctx.new/$b"; done
+  rm -rf "$ctx" && mv "$ctx.new" "$ctx"
+}
+fill server c10m-server c10m-sysctl
+fill operator c10m-operator
+
+if $contexts_only; then
+  echo "$ctx_root/server"
+  echo "$ctx_root/operator"
+  exit 0
+fi
+
+# --- 3. buildah -------------------------------------------------------------
+command -v buildah >/dev/null || {
+  echo "error: buildah not found (Debian: apt-get install buildah; make deps)" >&2
+  exit 1
+}
+store=$cache/buildah
+out=$cache/images
+mkdir -p "$store/tmp" "$store/data" "$out"
+# Everything buildah writes stays under $store: its storage (vfs: no
+# fuse-overlayfs or kernel overlay needed), run state, big temp files, and an
+# accept-anything signature policy for the local push (no host policy.json
+# needed). XDG_DATA_HOME takes a rootless buildah's blob-info cache.
+policy=$store/policy.json
+echo '{"default":[{"type":"insecureAcceptAnything"}]}' >"$policy"
+# Its network backend's lock (CNI: /etc/cni/net.d/cni.lock) too; no build
+# step runs anything, so no network is ever set up.
+mkdir -p "$store/cni"
+printf '[network]\nnetwork_config_dir = "%s"\n' "$store/cni" >"$store/containers.conf"
+export CONTAINERS_CONF=$store/containers.conf
+export TMPDIR=$store/tmp XDG_DATA_HOME=$store/data BUILDAH_ISOLATION=chroot
+bah=(buildah --root "$store/root" --runroot "$store/run" --storage-driver vfs)
+# A root buildah keeps its blob-info cache in /var/lib/containers/cache, with
+# no flag to move it; if that directory is ours (absent before), remove it.
+varlib_was_there=false
+[[ -e /var/lib/containers ]] && varlib_was_there=true
+cleanup_varlib() {
+  if ! $varlib_was_there && [[ $(id -u) == 0 ]]; then rm -rf /var/lib/containers; fi
+}
+trap cleanup_varlib EXIT
+
+script_sum=$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)
+build() { # build NAME DOCKERFILE CONTEXT
+  local name=$1 dockerfile=$2 ctx=$3
+  local ref=docker.io/c10m/$name:$tag tar=$out/c10m-$name.tar
+  local stamp=$out/c10m-$name.inputs inputs
+  inputs=$({ echo "$ref $script_sum"; buildah --version
+             sha256sum "$dockerfile"; (cd "$ctx" && sha256sum -- *); } | sha256sum | cut -d' ' -f1)
+  if [[ -s $tar && -f $stamp && $(<"$stamp") == "$inputs" ]]; then
+    echo "== $ref: Dockerfile and binaries unchanged, $tar kept" >&2
+    return
+  fi
+  echo "== buildah bud -f $dockerfile -t $ref $ctx" >&2
+  rm -f "$stamp"
+  # --timestamp 0 and no buildah-version label: the same binaries give the
+  # same image id. --pull=never: nothing is fetched, ever.
+  "${bah[@]}" bud --quiet --isolation chroot --pull=never --format oci \
+    --timestamp 0 --identity-label=false --signature-policy "$policy" \
+    -f "$dockerfile" -t "$ref" "$ctx" >/dev/null
+  rm -f "$tar.tmp"
+  "${bah[@]}" push --quiet --signature-policy "$policy" \
+    "$ref" "docker-archive:$tar.tmp:$ref"
+  mv "$tar.tmp" "$tar"
+  echo "$inputs" >"$stamp"
+  # The previous build of this tag, now untagged, is dropped from the store.
+  "${bah[@]}" rmi --prune >/dev/null 2>&1 || true
+}
+build server server-image/Dockerfile "$ctx_root/server"
+build operator operator/Dockerfile "$ctx_root/operator"
+cleanup_varlib
+
+# --- 4. report ----------------------------------------------------------------
+python3 - "$out/c10m-server.tar" "$out/c10m-operator.tar" <<'EOF' | tee "$out/images.json"
+import hashlib, json, os, sys, tarfile
+
+images = []
+for path in sys.argv[1:]:
+    with tarfile.open(path) as tar:
+        manifest = json.load(tar.extractfile("manifest.json"))[0]
+        config = tar.extractfile(manifest["Config"]).read()
+        layers = sum(tar.getmember(layer).size for layer in manifest["Layers"])
+    images.append({
+        "name": manifest["RepoTags"][0],
+        "id": "sha256:" + hashlib.sha256(config).hexdigest(),
+        "size": layers,
+        "archive": path,
+        "archive_bytes": os.path.getsize(path),
+    })
+print(json.dumps(images, indent=1))
+EOF
