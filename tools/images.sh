@@ -34,6 +34,11 @@ case "${1:-}" in
 esac
 
 cache=${C10M_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/c10m}
+# One run at a time (make test and make images from two shells share the
+# contexts, the buildah store and the archives).
+mkdir -p "$cache"
+exec 9>"$cache/images.lock"
+flock 9
 triple=x86_64-unknown-linux-musl
 target_dir=${CARGO_TARGET_DIR:-target}
 bin_dir=$target_dir/$triple/release
