@@ -59,8 +59,7 @@ fn env(name: &str, value: impl ToString) -> EnvVar {
     }
 }
 
-/// uid the bundled server serves as (the image's `USER`; distroless's
-/// `nonroot`).
+/// uid the bundled server serves as (the image's `USER`, server-image/Dockerfile).
 pub const SERVER_UID: i64 = 65532;
 
 /// gid the bundled server serves as. Set explicitly: `runAsUser` alone in a

@@ -22,6 +22,8 @@ wanted=(
   runc:/usr/sbin/runc
   containernetworking-plugins:/usr/lib/cni/bridge
   iptables:/usr/sbin/iptables-save
+  # make images (tools/images.sh): the daemonless image builder
+  buildah:buildah
   gcc:gcc
   libc6-dev:/usr/include/stdio.h
 )
