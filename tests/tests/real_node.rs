@@ -1,0 +1,643 @@
+//! A fleet on the test plane's real node (kubelet + containerd + runc + CNI
+//! bridge, `tests/cluster/node.sh`): the pod the operator renders runs from
+//! the image `make images` built, and what the kernel gave it is read back
+//! from the host and compared with the plan.
+//!
+//! The node is a 2-CPU VM with CPU 0 reserved, so it holds one
+//! exclusive-CPU shard: each scenario runs one 1-CPU shard, one scenario at
+//! a time. The node labels itself with what this VM cannot do
+//! (`c10m.dev/sys-resource: unavailable`,
+//! `c10m.dev/host-network-namespace: unavailable`, the runtime's hard
+//! nofile), so these tests check the adapted plan, the privilege drop and
+//! the limit path up to what the host permits; the raise past the runtime's
+//! hard limit itself cannot happen on this VM (no process holds
+//! CAP_SYS_RESOURCE). Figures are printed as `FIGURE name=value` lines.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use c10m_e2e::*;
+use serde_json::Value;
+
+/// One scenario at a time: the node has one exclusive CPU to give.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// The real node's name, label and taint (tests/cluster/node.sh).
+const NODE: &str = "c10m-real-0";
+
+/// Connections the load generator holds on the shard.
+const HELD: u64 = 600;
+
+/// `spec.drain.rate` of the fleets, connections/s: the 600 held
+/// connections take 3 s to drain.
+const DRAIN_RATE: u64 = 200;
+
+fn fleet(name: &str, extra: &str) -> String {
+    format!(
+        r#"apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: {name}
+spec:
+  connections: 1000
+  backend:
+    model: epoll
+    protocol: websocket
+    connectionsPerCpu: 2000
+  shard:
+    cpus: 1
+    minShards: 1
+    maxShards: 1
+  drain:
+    rate: {DRAIN_RATE}
+  placement:
+    nodeSelector:
+      c10m.dev/node: real
+    tolerations:
+    - key: c10m.dev/real-node
+      operator: Equal
+      value: "true"
+      effect: NoSchedule
+{extra}"#
+    )
+}
+
+/// The real node, Ready; fails (never skips) when the plane has none.
+fn real_node() -> Value {
+    let node = wait_for(&format!("node {NODE} Ready"), MINUTE, || {
+        let out = kubectl_with(&["get", "node", NODE, "-o", "json"], None);
+        let node: Value = serde_json::from_slice(&out.stdout).ok()?;
+        let ready = node["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .any(|c| c["type"] == "Ready" && c["status"] == "True");
+        ready.then_some(node)
+    });
+    assert_eq!(node["metadata"]["labels"]["c10m.dev/node"], "real");
+    node
+}
+
+/// The fleet's one Running pod on the real node, Ready.
+fn running_pod(ns: &str, fleet: &str) -> Value {
+    wait_for(
+        &format!("a Ready pod of {fleet} on {NODE}"),
+        3 * MINUTE,
+        || {
+            let pods: Value = serde_json::from_str(&kubectl(&[
+                "get",
+                "pods",
+                "-n",
+                ns,
+                "-l",
+                &format!("c10m.dev/fleet={fleet}"),
+                "-o",
+                "json",
+            ]))
+            .ok()?;
+            pods["items"]
+                .as_array()?
+                .iter()
+                .find(|p| {
+                    p["spec"]["nodeName"] == NODE
+                        && p["metadata"]["deletionTimestamp"].is_null()
+                        && p["status"]["phase"] == "Running"
+                        && condition(p, "Ready").is_some_and(|c| c["status"] == "True")
+                })
+                .cloned()
+        },
+    )
+}
+
+/// The fleet's plan, once the fleet is Ready for its generation.
+fn ready_plan(ns: &str, name: &str) -> Value {
+    let f = wait_for(&format!("fleet {name} Ready"), 3 * MINUTE, || {
+        let f = get_json(ns, "connectionfleet", name)?;
+        let ready = condition(&f, "Ready")?["status"] == "True";
+        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
+    });
+    f["status"]["plan"].clone()
+}
+
+/// pid of the `c10m-server` process of the pod with `uid`, found on the
+/// host through its cgroup path (kubelet's cgroupfs driver names the pod's
+/// cgroup `pod<uid>`).
+fn server_pid(uid: &str) -> u32 {
+    wait_for(&format!("the server process of pod {uid}"), MINUTE, || {
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+            let cgroup = std::fs::read_to_string(e.path().join("cgroup")).ok()?;
+            (comm.trim() == "c10m-server" && cgroup.contains(&format!("pod{uid}"))).then_some(pid)
+        })
+    })
+}
+
+/// The cgroup v1 directory of `pid` in `controller`'s hierarchy.
+fn cgroup_dir(pid: u32, controller: &str) -> PathBuf {
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let path = cgroup
+        .lines()
+        .find_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            controllers
+                .split(',')
+                .any(|c| c == controller)
+                .then(|| path.to_string())
+        })
+        .unwrap_or_else(|| panic!("no {controller} cgroup for {pid}: {cgroup}"));
+    let mount = std::fs::read_dir("/sys/fs/cgroup")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.split(',').any(|c| c == controller))
+        })
+        .unwrap_or_else(|| panic!("no cgroup v1 hierarchy for {controller}"));
+    mount.join(path.trim_start_matches('/'))
+}
+
+/// A CPU list such as `1,4-6` as a set.
+fn cpu_list(s: &str) -> BTreeSet<u32> {
+    s.trim()
+        .split(',')
+        .filter(|p| !p.is_empty())
+        .flat_map(|part| match part.split_once('-') {
+            Some((a, b)) => (a.parse::<u32>().unwrap()..=b.parse().unwrap()).collect::<Vec<_>>(),
+            None => vec![part.parse().unwrap()],
+        })
+        .collect()
+}
+
+/// The value of field `key` in `/proc/<pid>/status`.
+fn status_field(pid: u32, key: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
+        .trim()
+        .to_string()
+}
+
+/// `(soft, hard)` of "Max open files" in `/proc/<pid>/limits`.
+fn nofile_limits(pid: u32) -> (i64, i64) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let nums: Vec<i64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (nums[0], nums[1])
+}
+
+/// A sysctl as the process `pid` sees it: read from inside its network
+/// namespace.
+fn sysctl_in_netns(pid: u32, name: &str) -> String {
+    let path = format!("/proc/sys/{}", name.replace('.', "/"));
+    let out = Command::new("nsenter")
+        .args([&format!("--net=/proc/{pid}/ns/net"), "cat", &path])
+        .output()
+        .expect("run nsenter");
+    assert!(out.status.success(), "nsenter cat {path}: {out:?}");
+    normalize(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// Whitespace-separated values joined by single spaces (`tcp_mem` style).
+fn normalize(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// GET `path` from the shard's admin port over the bridge; (status, body).
+fn admin_get(ip: &str, port: i64, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect((ip, port as u16)).expect("connect to the admin port");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {ip}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, body.to_string())
+}
+
+/// The sum of the Prometheus samples of `name` in `metrics` (one per
+/// worker for per-worker gauges), `None` when there is none.
+fn metric(metrics: &str, name: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter_map(|l| {
+            let (series, v) = l.rsplit_once(' ')?;
+            let n = series.split('{').next()?;
+            (n == name).then(|| v.trim().parse::<f64>().ok()).flatten()
+        })
+        .fold(None, |sum, v| Some(sum.unwrap_or(0.0) + v))
+}
+
+/// Established connections from this host to `ip:port`, counted by `ss`.
+fn established_to(ip: &str, port: i64) -> usize {
+    let out = Command::new("ss")
+        .args([
+            "-Htn",
+            "state",
+            "established",
+            "dst",
+            &format!("{ip}:{port}"),
+        ])
+        .output()
+        .expect("run ss");
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+/// The fleet's pod on the real node runs the image `make images` built,
+/// and the kernel gave it what the plan says: namespaced sysctls in its
+/// netns, its memory limit, an exclusive cpuset of the plan's size with as
+/// many workers, the nofile the node allows, and no identity or capability
+/// beyond uid/gid 65532. A load generator on the host holds connections to
+/// the pod IP across the bridge; the liveness probe survives slow admin
+/// clients; deleting the fleet takes its last shard away, and the kubelet's
+/// SIGTERM drains it at the planned rate with a goodbye to every client.
+#[test]
+fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    ensure_crd();
+    let node = real_node();
+    let labels = &node["metadata"]["labels"];
+    let node_nofile: i64 = labels["c10m.dev/nofile-hard-limit"]
+        .as_str()
+        .expect("the node states its runtime's hard nofile")
+        .parse()
+        .unwrap();
+    let ns = Namespace::create("real");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    let created = Instant::now();
+    let (ok, out) = apply(ns, &fleet("edge", ""));
+    assert!(ok, "{out}");
+    let plan = ready_plan(ns, "edge");
+    let pod = running_pod(ns, "edge");
+    println!(
+        "FIGURE real_node_fleet_to_pod_ready_seconds={:.1}",
+        created.elapsed().as_secs_f64()
+    );
+
+    // The plan adapted to what the node says it cannot do.
+    let closed_netns = labels["c10m.dev/host-network-namespace"] == "unavailable";
+    let no_sys_resource = labels["c10m.dev/sys-resource"] == "unavailable";
+    assert_eq!(plan["nodeNofileHardLimit"], node_nofile, "{plan}");
+    let nofile = plan["nofile"].as_i64().unwrap();
+    if no_sys_resource {
+        assert_eq!(plan["serverRaisesNofile"], Value::Null, "{plan}");
+        assert!(nofile <= node_nofile, "{plan}");
+    }
+    let sysctls = plan["sysctls"].as_object().cloned().unwrap_or_default();
+    assert!(!sysctls.is_empty(), "{plan}");
+    let init = &pod["spec"]["initContainers"][0];
+    let args: Vec<&str> = init["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    if closed_netns {
+        assert!(
+            !args.iter().any(|a| a.starts_with("--raise-node")),
+            "{args:?}"
+        );
+        assert!(pod["spec"]["volumes"].is_null(), "no host /proc mounted");
+    }
+
+    // The real image, both containers.
+    let server_status = &pod["status"]["containerStatuses"][0];
+    assert_eq!(server_status["name"], "server");
+    assert!(
+        server_status["image"]
+            .as_str()
+            .unwrap()
+            .ends_with("c10m/server:0.1.0"),
+        "{server_status}"
+    );
+    assert_eq!(server_status["restartCount"], 0);
+    let init_status = &pod["status"]["initContainerStatuses"][0];
+    assert_eq!(
+        init_status["state"]["terminated"]["exitCode"], 0,
+        "{init_status}"
+    );
+
+    let uid = pod["metadata"]["uid"].as_str().unwrap();
+    let pid = server_pid(uid);
+    let ip = pod["status"]["podIP"].as_str().unwrap().to_string();
+    println!("FIGURE real_node_pod_ip={ip}");
+
+    // Each planned sysctl, read inside the pod's netns.
+    for (name, value) in &sysctls {
+        let want = normalize(value.as_str().unwrap());
+        let got = sysctl_in_netns(pid, name);
+        println!("FIGURE sysctl {name} plan={want} pod={got}");
+        assert_eq!(got, want, "{name} in the pod's netns");
+    }
+
+    // Memory limit of the server's cgroup: the plan's, rounded down to a
+    // page (the kernel keeps limits in pages).
+    let memory = plan["memoryLimitBytes"].as_i64().unwrap();
+    let limit: i64 =
+        std::fs::read_to_string(cgroup_dir(pid, "memory").join("memory.limit_in_bytes"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+    println!("FIGURE memory_limit plan={memory} cgroup={limit}");
+    assert_eq!(limit, memory / 4096 * 4096);
+
+    // An exclusive cpuset of the plan's size, and as many workers.
+    let cpus = plan["cpus"].as_i64().unwrap() as usize;
+    let mine =
+        cpu_list(&std::fs::read_to_string(cgroup_dir(pid, "cpuset").join("cpuset.cpus")).unwrap());
+    let allowed = cpu_list(&status_field(pid, "Cpus_allowed_list"));
+    println!("FIGURE cpuset plan={cpus} cgroup={mine:?} process={allowed:?}");
+    assert_eq!(mine.len(), cpus);
+    assert_eq!(allowed, mine);
+    assert_no_other_container_shares(&cgroup_dir(pid, "cpuset"), &mine);
+    let port = pod["spec"]["containers"][0]["ports"][0]["containerPort"]
+        .as_i64()
+        .unwrap();
+    let metrics_port = pod["spec"]["containers"][0]["ports"][1]["containerPort"]
+        .as_i64()
+        .unwrap();
+    let (code, metrics) = admin_get(&ip, metrics_port, "/metrics");
+    assert_eq!(code, 200);
+    assert_eq!(
+        metric(&metrics, "c10m_workers"),
+        Some(plan["workers"].as_f64().unwrap())
+    );
+    assert_eq!(metric(&metrics, "c10m_cpu_pinned"), Some(1.0), "{metrics}");
+
+    // Identity after the privilege drop, and the nofile the node allows.
+    for (key, want) in [
+        ("Uid", "65532\t65532\t65532\t65532"),
+        ("Gid", "65532\t65532\t65532\t65532"),
+        ("Groups", ""),
+        ("CapInh", "0000000000000000"),
+        ("CapPrm", "0000000000000000"),
+        ("CapEff", "0000000000000000"),
+        ("CapAmb", "0000000000000000"),
+        ("NoNewPrivs", "1"),
+    ] {
+        let got = status_field(pid, key);
+        println!("FIGURE identity {key}={got:?}");
+        assert_eq!(got, want, "{key} of the server");
+    }
+    let (soft, hard) = nofile_limits(pid);
+    println!("FIGURE nofile plan={nofile} node={node_nofile} soft={soft} hard={hard}");
+    assert_eq!((soft, hard), (node_nofile, node_nofile));
+    assert!(soft >= nofile);
+    assert_eq!(metric(&metrics, "c10m_process_uid"), Some(65532.0));
+    assert_eq!(
+        metric(&metrics, "c10m_process_capabilities_effective"),
+        Some(0.0)
+    );
+
+    // Clients on the host hold connections to the pod IP.
+    let load = Loadgen::start(&[
+        format!("--target={ip}:{port}"),
+        "--protocol=websocket".into(),
+        "--ping-rate=0".into(),
+        format!("--connections={HELD}"),
+        "--rate=2000".into(),
+    ]);
+    wait_for("the shard holds the clients", MINUTE, || {
+        let (_, m) = admin_get(&ip, metrics_port, "/metrics");
+        (metric(&m, "c10m_connections") == Some(HELD as f64)).then_some(())
+    });
+    assert_eq!(established_to(&ip, port), HELD as usize);
+
+    // Slow admin clients (headers never finished) for longer than the
+    // liveness probe's failure window: the kubelet's probes still pass.
+    let probe = &pod["spec"]["containers"][0]["livenessProbe"];
+    let window = probe["periodSeconds"].as_u64().unwrap_or(10)
+        * probe["failureThreshold"].as_u64().unwrap_or(3)
+        + 5;
+    let slow: Vec<TcpStream> = (0..64)
+        .filter_map(|_| {
+            let mut s = TcpStream::connect((ip.as_str(), metrics_port as u16)).ok()?;
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").ok()?;
+            Some(s)
+        })
+        .collect();
+    assert!(
+        slow.len() >= 32,
+        "only {} slow clients connected",
+        slow.len()
+    );
+    std::thread::sleep(Duration::from_secs(window));
+    drop(slow);
+    let pod_now: Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "pod",
+        "-n",
+        ns,
+        pod["metadata"]["name"].as_str().unwrap(),
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    assert_eq!(pod_now["status"]["containerStatuses"][0]["restartCount"], 0);
+    assert_eq!(
+        condition(&pod_now, "Ready").map(|c| c["status"].clone()),
+        Some(Value::from("True"))
+    );
+    assert_eq!(established_to(&ip, port), HELD as usize);
+
+    // The last shard goes: the kubelet sends SIGTERM, and the server closes
+    // its clients at spec.drain.rate, each with a WebSocket goodbye.
+    let deleted = Instant::now();
+    kubectl(&[
+        "delete",
+        "connectionfleet",
+        "-n",
+        ns,
+        "edge",
+        "--wait=false",
+    ]);
+    let mut samples: Vec<(f64, usize)> = Vec::new();
+    wait_for("the drain to close every client", MINUTE, || {
+        let n = established_to(&ip, port);
+        samples.push((deleted.elapsed().as_secs_f64(), n));
+        std::thread::sleep(Duration::from_millis(100));
+        (n == 0).then_some(())
+    });
+    let report = load.finish();
+    let first = samples
+        .iter()
+        .find(|(_, n)| *n < HELD as usize)
+        .map(|(t, _)| *t)
+        .unwrap();
+    let last = samples.last().unwrap().0;
+    let drain = last - first;
+    // The most connections closed in any 1 s window.
+    let peak = samples
+        .iter()
+        .map(|&(t, n)| {
+            let later = samples
+                .iter()
+                .rfind(|(u, _)| *u <= t + 1.0)
+                .map_or(n, |s| s.1);
+            n - later
+        })
+        .max()
+        .unwrap();
+    println!(
+        "FIGURE drain seconds={drain:.2} planned={:.2} peak_closes_per_s={peak} rate={DRAIN_RATE} sigterm_after_delete={first:.2}",
+        HELD as f64 / DRAIN_RATE as f64
+    );
+    assert_eq!(report["goodbyes"]["1001"], HELD, "{report}");
+    assert_eq!(report["closedByServer"], HELD, "{report}");
+    assert_eq!(report["connectErrors"], 0, "{report}");
+    assert!(
+        drain >= HELD as f64 / DRAIN_RATE as f64 * 0.6,
+        "drained {HELD} in {drain:.2} s at {DRAIN_RATE}/s"
+    );
+    assert!(
+        peak as f64 <= DRAIN_RATE as f64 * 1.5,
+        "{peak} closes in one second at {DRAIN_RATE}/s"
+    );
+}
+
+/// No other container's cpuset under the kubelet's hierarchy overlaps
+/// `mine` (the exclusive CPUs of the cgroup `dir`). Pod sandboxes are the
+/// exception the CPU manager makes: their `pause` process keeps the pod
+/// cgroup's full set and only sleeps.
+fn assert_no_other_container_shares(dir: &Path, mine: &BTreeSet<u32>) {
+    let root = dir
+        .ancestors()
+        .find(|p| p.file_name().is_some_and(|n| n == "kubepods"))
+        .expect("the container's cpuset is under kubepods");
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let entries: Vec<PathBuf> = std::fs::read_dir(&d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        if entries.is_empty() && d != dir {
+            let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+            let sandbox = procs.lines().all(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|c| c.trim() == "pause")
+            });
+            if !procs.trim().is_empty() && !sandbox {
+                let theirs = cpu_list(&std::fs::read_to_string(d.join("cpuset.cpus")).unwrap());
+                assert!(
+                    theirs.is_disjoint(mine),
+                    "{} runs on {theirs:?}, overlapping the shard's {mine:?}",
+                    d.display()
+                );
+            }
+        }
+        stack.extend(entries);
+    }
+}
+
+/// PodSecurityContext mode on a real kubelet: the plan renders, in the
+/// pod's `securityContext.sysctls`, only the `allowedUnsafe` sysctls the
+/// node's kubelet allows (its `c10m.dev/allowed-unsafe-sysctls`
+/// annotation: `net.core.somaxconn` only on the test node); the one it
+/// refuses and the one no field allows are reported, never rendered, so
+/// the pod runs (never `SysctlForbidden`) and the kernel has exactly what
+/// was rendered. The server runs as 65532:65532 from the start, with no
+/// capabilities.
+#[test]
+fn pod_security_context_mode_renders_only_what_the_kubelet_allows() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    ensure_crd();
+    let node = real_node();
+    let allowed = node["metadata"]["annotations"]["c10m.dev/allowed-unsafe-sysctls"]
+        .as_str()
+        .expect("the node states its kubelet's allowedUnsafeSysctls");
+    assert_eq!(allowed, "net.core.somaxconn", "the scenario's premise");
+    let ns = Namespace::create("real-psc");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    let extra = "  sysctls:\n    mode: PodSecurityContext\n    allowedUnsafe: [net.core.somaxconn, net.ipv4.tcp_max_syn_backlog]\n";
+    let (ok, out) = apply(ns, &fleet("psc", extra));
+    assert!(ok, "{out}");
+    let pod = running_pod(ns, "psc");
+    let f = get_json(ns, "connectionfleet", "psc").unwrap();
+    let plan = &f["status"]["plan"];
+    assert_eq!(
+        plan["sysctls"],
+        serde_json::json!({"net.core.somaxconn": "65535"}),
+        "{plan}"
+    );
+    assert_eq!(
+        plan["sysctlsNotApplied"],
+        serde_json::json!(["net.ipv4.tcp_max_syn_backlog", "net.ipv4.tcp_migrate_req"]),
+        "{plan}"
+    );
+    let applied = condition(&f, "SysctlsApplied").expect("SysctlsApplied condition");
+    assert_eq!(
+        (applied["status"].as_str(), applied["reason"].as_str()),
+        (Some("False"), Some("NotAllowedInMode")),
+        "{applied}"
+    );
+    assert!(pod["spec"]["initContainers"].is_null(), "no init container");
+    assert_eq!(
+        pod["spec"]["securityContext"]["sysctls"],
+        serde_json::json!([{"name": "net.core.somaxconn", "value": "65535"}])
+    );
+    let events = kubectl(&["get", "events", "-n", ns, "-o", "json"]);
+    assert!(!events.contains("SysctlForbidden"), "{events}");
+
+    let pid = server_pid(pod["metadata"]["uid"].as_str().unwrap());
+    let host_backlog =
+        normalize(&std::fs::read_to_string("/proc/sys/net/ipv4/tcp_max_syn_backlog").unwrap());
+    let somaxconn = sysctl_in_netns(pid, "net.core.somaxconn");
+    let backlog = sysctl_in_netns(pid, "net.ipv4.tcp_max_syn_backlog");
+    println!(
+        "FIGURE psc somaxconn plan=65535 pod={somaxconn}; tcp_max_syn_backlog not applied pod={backlog} host={host_backlog}"
+    );
+    assert_eq!(somaxconn, "65535");
+    assert_ne!(
+        backlog, "65535",
+        "a sysctl that was not rendered is not set"
+    );
+
+    let server = &pod["spec"]["containers"][0];
+    assert!(
+        !server["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "C10M_RUN_AS"),
+        "runs unprivileged from the start"
+    );
+    for (key, want) in [
+        ("Uid", "65532\t65532\t65532\t65532"),
+        ("Gid", "65532\t65532\t65532\t65532"),
+        ("CapPrm", "0000000000000000"),
+        ("CapEff", "0000000000000000"),
+        ("CapBnd", "0000000000000000"),
+    ] {
+        assert_eq!(status_field(pid, key), want, "{key} of the server");
+    }
+}
