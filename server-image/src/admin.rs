@@ -1,5 +1,7 @@
 //! The admin HTTP/1.1 server: `GET /metrics`, `GET /healthz`, and the
-//! authenticated `POST /drain?rate=R` and `POST /shed?count=N&rate=R`.
+//! authenticated `POST /drain?rate=R` and `POST /shed?count=N&rate=R`
+//! (bearer token from [`crate::token`], re-read from its file as it
+//! changes).
 //!
 //! Paths and query keys are the operator's contract
 //! ([`c10m_wire::admin`]). One request per connection (`Connection:
@@ -35,6 +37,7 @@ use subtle::ConstantTimeEq;
 use crate::conn::CloseReason;
 use crate::control::{CloseOrder, Shared};
 use crate::metrics::{AdminDrop, Format, Metrics};
+use crate::token::{AdminToken, Verdict};
 
 /// Largest request head accepted, in bytes; larger gets 431.
 pub const MAX_REQUEST_HEAD: usize = 8 * 1024;
@@ -199,18 +202,42 @@ pub fn parse_action(path: &str, query: &str) -> Result<Action, &'static str> {
     }
 }
 
-/// Routes one request. Pure, apart from calling `metrics` to encode and
-/// `act` to carry out an accepted order (it returns the JSON body).
-///
-/// `GET`/`HEAD` `/metrics` (format by `Accept`, see [`Format::negotiate`])
-/// and `/healthz` (query strings ignored); any other method on those paths
-/// is 405 with `Allow`. `POST /drain` and `POST /shed` need
-/// `Authorization: Bearer <token>` (else 401), valid parameters (else 400)
-/// and answer 202; other methods there are 405. Any other path is 404.
+/// Routes one request against a fixed `token` ([`route_checked`] with
+/// [`authorized`]): without one every order is 401.
 pub fn route(
     req: &Request,
     health: Health,
     token: Option<&str>,
+    metrics: &dyn Fn(Format) -> String,
+    act: &mut dyn FnMut(Action) -> String,
+) -> Response {
+    let check = |authorization: Option<&str>| {
+        if authorized(authorization, token) {
+            Verdict::Allowed
+        } else {
+            Verdict::Denied
+        }
+    };
+    route_checked(req, health, &check, metrics, act)
+}
+
+/// Routes one request. Pure, apart from calling `check` on an order's
+/// `Authorization` header (the server's [`AdminToken::check`], which may
+/// re-read the token file), `metrics` to encode and `act` to carry out an
+/// accepted order (it returns the JSON body).
+///
+/// `GET`/`HEAD` `/metrics` (format by `Accept`, see [`Format::negotiate`])
+/// and `/healthz` (query strings ignored); any other method on those paths
+/// is 405 with `Allow`. `POST /drain` and `POST /shed` need
+/// `Authorization: Bearer <token>` (else 401; 503 while the token file
+/// gives no token), valid parameters (else 400) and answer 202; other
+/// methods there are 405. Any other path is 404.
+///
+/// [`AdminToken::check`]: crate::token::AdminToken::check
+pub fn route_checked(
+    req: &Request,
+    health: Health,
+    check: &dyn Fn(Option<&str>) -> Verdict,
     metrics: &dyn Fn(Format) -> String,
     act: &mut dyn FnMut(Action) -> String,
 ) -> Response {
@@ -222,10 +249,14 @@ pub fn route(
             r.headers.push(("Allow", "POST"));
             return r;
         }
-        if !authorized(req.authorization.as_deref(), token) {
-            let mut r = Response::text(401, "unauthorized");
-            r.headers.push(("WWW-Authenticate", "Bearer"));
-            return r;
+        match check(req.authorization.as_deref()) {
+            Verdict::Allowed => {}
+            Verdict::Denied => {
+                let mut r = Response::text(401, "unauthorized");
+                r.headers.push(("WWW-Authenticate", "Bearer"));
+                return r;
+            }
+            Verdict::Unavailable => return Response::text(503, "admin token unavailable"),
         }
         let query = target
             .split_once('?')
@@ -417,8 +448,8 @@ pub struct AdminState {
     pub metrics: Arc<Metrics>,
     /// Worker state (draining flag, close orders).
     pub shared: Arc<Shared>,
-    /// Bearer token for `POST /drain` and `POST /shed`; `None`: always 401.
-    pub token: Option<String>,
+    /// Bearer token for `POST /drain` and `POST /shed` (none: always 401).
+    pub token: AdminToken,
     /// Starts a drain at the given rate (the main thread runs it, with its
     /// deadline).
     pub drain: Box<dyn Fn(f64) + Send>,
@@ -694,9 +725,8 @@ fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
         }
         metrics.encode(f)
     };
-    let r = route(req, health, state.token.as_deref(), &encode, &mut |a| {
-        act(state, a)
-    });
+    let check = |authorization: Option<&str>| state.token.check(authorization);
+    let r = route_checked(req, health, &check, &encode, &mut |a| act(state, a));
     render(&r, req.method == "HEAD")
 }
 
@@ -800,6 +830,49 @@ mod tests {
                 Action::Drain { rate: None },
             ]
         );
+    }
+
+    #[test]
+    fn orders_are_refused_with_503_while_the_token_file_gives_none() {
+        let unavailable = |_: Option<&str>| Verdict::Unavailable;
+        let mut r = req("POST", "/drain");
+        r.authorization = Some("Bearer tok".into());
+        for target in ["/drain", "/shed?count=1"] {
+            r.target = target.into();
+            let got = route_checked(&r, Health::Serving, &unavailable, &m, &mut |_| {
+                unreachable!("never carried out")
+            });
+            assert_eq!(
+                (got.status, got.body.as_str()),
+                (503, "admin token unavailable\n")
+            );
+        }
+        // Probes and scrapes never ask for the token.
+        let asked = std::cell::Cell::new(0);
+        let counting = |_: Option<&str>| {
+            asked.set(asked.get() + 1);
+            Verdict::Unavailable
+        };
+        for path in ["/healthz", "/metrics"] {
+            let got = route_checked(
+                &req("GET", path),
+                Health::Serving,
+                &counting,
+                &m,
+                &mut |_| unreachable!(),
+            );
+            assert_eq!(got.status, 200, "{path}");
+        }
+        // Nor does a wrong method on an order's path.
+        let got = route_checked(
+            &req("GET", "/shed"),
+            Health::Serving,
+            &counting,
+            &m,
+            &mut |_| unreachable!(),
+        );
+        assert_eq!(got.status, 405);
+        assert_eq!(asked.get(), 0);
     }
 
     #[test]

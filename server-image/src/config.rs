@@ -245,13 +245,20 @@ pub struct Config {
     pub drain_accept_secs: u64,
 
     /// File holding the bearer token that `POST /drain` and `POST /shed`
-    /// require (surrounding whitespace ignored). Without a token from this
-    /// file or C10M_ADMIN_TOKEN, those endpoints answer 401.
+    /// require (surrounding whitespace ignored). Read at start (unreadable:
+    /// the server does not start) and again when an order arrives, at most
+    /// once per second, so a rotated Secret volume takes effect without a
+    /// restart; while it gives no token (gone, empty) orders answer 503.
+    /// Without a token from this file or C10M_ADMIN_TOKEN, those endpoints
+    /// answer 401.
     #[arg(long, env = env::ADMIN_TOKEN_FILE)]
     pub admin_token_file: Option<std::path::PathBuf>,
 
     /// The bearer token itself (environment only, so it stays out of the
-    /// process list); `--admin-token-file` wins if both are set.
+    /// process list), fixed for the life of the process;
+    /// `--admin-token-file` wins if both are set. The operator renders the
+    /// file; this stays for Deployments rendered by earlier operators and
+    /// for running the server by hand.
     #[arg(
         long = "admin-token",
         env = env::ADMIN_TOKEN,
@@ -335,19 +342,18 @@ impl Config {
         Config::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
     }
 
-    /// The admin bearer token: from `--admin-token-file` if given, else
-    /// C10M_ADMIN_TOKEN. An empty token counts as none.
+    /// The admin bearer token now, read once: from `--admin-token-file` if
+    /// given ([`crate::token::read_token_file`]), else C10M_ADMIN_TOKEN. An
+    /// empty token counts as none. The server itself keeps an
+    /// [`crate::token::AdminToken`], which re-reads the file as it changes.
     pub fn admin_token(&self) -> std::io::Result<Option<String>> {
-        let token = match &self.admin_token_file {
-            Some(path) => std::fs::read_to_string(path)?.trim().to_string(),
-            None => self
-                .admin_token
-                .clone()
-                .unwrap_or_default()
-                .trim()
-                .to_string(),
-        };
-        Ok((!token.is_empty()).then_some(token))
+        match &self.admin_token_file {
+            Some(path) => crate::token::read_token_file(path),
+            None => {
+                let token = self.admin_token.as_deref().unwrap_or_default().trim();
+                Ok((!token.is_empty()).then(|| token.to_string()))
+            }
+        }
     }
 }
 

@@ -27,7 +27,8 @@
 //!   functions.
 //! - [`admin`]: the admin HTTP server (`/metrics`, `/healthz`, `/drain`,
 //!   `/shed`): one event loop, whole-request deadlines, bounded
-//!   connections.
+//!   connections; the orders' bearer token comes from [`token`], which
+//!   re-reads a token file as it changes (a rotated Secret volume).
 //! - [`door`]: the drain's accept window: goodbyes instead of refusals
 //!   while endpoint removal propagates, then the listeners close.
 //! - [`server`]: wires them together, runs until a signal, drains.
@@ -47,6 +48,7 @@ pub mod privilege;
 pub mod server;
 pub mod sysctl;
 pub mod system;
+pub mod token;
 pub mod worker;
 pub mod ws;
 

@@ -19,6 +19,7 @@ use crate::limits::{self, CapLimit};
 use crate::listen;
 use crate::metrics::Metrics;
 use crate::privilege;
+use crate::token::{AdminToken, TokenSource};
 use crate::worker::{self, WorkerSpec};
 use crate::{admin, limits::connection_cap};
 
@@ -51,7 +52,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     // survives the drop. The drop comes before any thread (it changes the
     // calling thread's credentials only) and before any socket or file the
     // server opens; the admin token file is read after it, as the serving
-    // uid.
+    // uid (and again as it changes, by the admin thread).
     let nofile = limits::raise_nofile(config.nofile);
     let identity = privilege::apply(config.run_as)?;
     let cpus = limits::allowed_cpus();
@@ -118,7 +119,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             .context("registering signal handlers")?;
         flag::register(sig, Arc::clone(&signalled)).context("registering signal handlers")?;
     }
-    let token = config.admin_token().with_context(|| {
+    let token = AdminToken::from_config(&config).with_context(|| {
         let who = identity.as_ref().map_or(String::new(), |id| {
             format!(" as uid {} gid {}", id.uid[1], id.gid[1])
         });
@@ -127,10 +128,17 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             None => "reading the admin token".to_string(),
         }
     })?;
-    if token.is_none() {
-        tracing::info!(
+    match (token.source(), &config.admin_token_file) {
+        (TokenSource::File, Some(path)) => tracing::info!(
+            path = %path.display(),
+            "admin token from a file, re-read when an order arrives (at most once per second): a rotated token takes effect without a restart"
+        ),
+        (TokenSource::Fixed, _) => tracing::info!(
+            "admin token from C10M_ADMIN_TOKEN, fixed for the life of the process (--admin-token-file can be rotated)"
+        ),
+        _ => tracing::info!(
             "no admin token (--admin-token-file, C10M_ADMIN_TOKEN): POST /drain and /shed answer 401"
-        );
+        ),
     }
     metrics.set_sysctls(&crate::system::read_sysctls(std::path::Path::new("/proc")));
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("registering signal handlers")?;

@@ -41,9 +41,15 @@ pub mod env {
     /// connections with a protocol goodbye, while endpoint removal
     /// propagates.
     pub const DRAIN_ACCEPT_SECS: &str = "C10M_DRAIN_ACCEPT_SECS";
-    /// File holding the admin bearer token.
+    /// File holding the admin bearer token: what the operator renders,
+    /// [`super::admin::TOKEN_PATH`] in the fleet's admin Secret volume. The
+    /// server re-reads it when it changes (at most once per second, when an
+    /// order arrives), so a rotated Secret takes effect once the kubelet
+    /// has updated the volume, without a restart.
     pub const ADMIN_TOKEN_FILE: &str = "C10M_ADMIN_TOKEN_FILE";
-    /// The admin bearer token itself.
+    /// The admin bearer token itself, fixed for the life of the process
+    /// (a rotated Secret never reaches a running env var).
+    /// [`ADMIN_TOKEN_FILE`] wins when both are set.
     pub const ADMIN_TOKEN: &str = "C10M_ADMIN_TOKEN";
     /// Seconds of silence before the first TCP keepalive probe (0: no
     /// keepalive); see [`super::keepalive`].
@@ -111,6 +117,14 @@ pub mod admin {
     pub const RATE_KEY: &str = "rate";
     /// Key of the bearer token in the fleet's admin Secret.
     pub const TOKEN_KEY: &str = "token";
+    /// Where the server container mounts the fleet's admin Secret
+    /// (read-only, only [`TOKEN_KEY`], as a file of that name). A whole
+    /// directory, never a `subPath`: the kubelet updates a Secret volume by
+    /// swapping its `..data` symlink, which a `subPath` mount never sees.
+    pub const TOKEN_DIR: &str = "/var/run/c10m/admin";
+    /// The token file in [`TOKEN_DIR`]: `TOKEN_DIR/TOKEN_KEY`, the value
+    /// the operator renders into [`super::env::ADMIN_TOKEN_FILE`].
+    pub const TOKEN_PATH: &str = "/var/run/c10m/admin/token";
     /// Name of the container port serving the admin paths.
     pub const PORT_NAME: &str = "metrics";
 }
@@ -293,6 +307,15 @@ mod tests {
         let set: std::collections::BTreeSet<_> = names.iter().collect();
         assert_eq!(set.len(), names.len());
         assert!(names.iter().all(|n| n.starts_with("C10M_")));
+    }
+
+    #[test]
+    fn the_token_file_is_the_token_key_in_the_token_dir() {
+        assert_eq!(
+            admin::TOKEN_PATH,
+            format!("{}/{}", admin::TOKEN_DIR, admin::TOKEN_KEY)
+        );
+        assert!(admin::TOKEN_DIR.starts_with('/') && !admin::TOKEN_DIR.ends_with('/'));
     }
 
     #[test]
