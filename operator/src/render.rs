@@ -9,10 +9,10 @@ use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    HostPathVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ResourceRequirements, SecretKeySelector, SecurityContext, Service, ServicePort, ServiceSpec,
-    TopologySpreadConstraint, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource, KeyToPath,
+    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecretVolumeSource,
+    SecurityContext, Service, ServicePort, ServiceSpec, TopologySpreadConstraint, Volume,
+    VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -171,18 +171,10 @@ pub fn render(
         drain_timeout_seconds(grace),
     ));
     env_vars.push(env(wire_env::DRAIN_ACCEPT_SECS, DRAIN_ACCEPT_SECONDS));
-    env_vars.push(EnvVar {
-        name: wire_env::ADMIN_TOKEN.into(),
-        value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector {
-                name: secret_name(&name),
-                key: admin::TOKEN_KEY.into(),
-                optional: Some(false),
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    // The admin token is a file in the fleet's Secret volume, re-read by the
+    // server as the kubelet updates it (never an env var, which a rotated
+    // Secret never reaches).
+    env_vars.push(env(wire_env::ADMIN_TOKEN_FILE, admin::TOKEN_PATH));
     if starts_as_root(spec) {
         env_vars.push(env(wire_env::RUN_AS, format!("{SERVER_UID}:{SERVER_GID}")));
     }
@@ -237,6 +229,7 @@ pub fn render(
         readiness_probe: Some(health(1)),
         liveness_probe: Some(health(10)),
         security_context: bundled.then(|| server_security_context(spec, plan)),
+        volume_mounts: Some(vec![admin_token_mount()]),
         ..Default::default()
     };
 
@@ -249,34 +242,39 @@ pub fn render(
         });
     let pod_sysctls =
         (mode == SysctlMode::PodSecurityContext && !plan.sysctls.is_empty()).then(|| {
-            PodSecurityContext {
-                sysctls: Some(
-                    plan.sysctls
-                        .iter()
-                        .map(|(n, v)| k8s_openapi::api::core::v1::Sysctl {
-                            name: n.name().into(),
-                            value: v.to_string(),
-                        })
-                        .collect(),
-                ),
-                ..Default::default()
-            }
+            plan.sysctls
+                .iter()
+                .map(|(n, v)| k8s_openapi::api::core::v1::Sysctl {
+                    name: n.name().into(),
+                    value: v.to_string(),
+                })
+                .collect()
         });
+    let pod_security = PodSecurityContext {
+        // The admin token file's group (see admin_token_volume).
+        fs_group: Some(SERVER_GID),
+        sysctls: pod_sysctls,
+        ..Default::default()
+    };
+
+    let mut volumes = Vec::new();
+    if init_containers.is_some() && raises_node_sysctls(plan) {
+        volumes.push(Volume {
+            name: HOST_PROC_VOLUME.into(),
+            host_path: Some(HostPathVolumeSource {
+                path: "/proc".into(),
+                type_: Some("Directory".into()),
+            }),
+            ..Default::default()
+        });
+    }
+    volumes.push(admin_token_volume(&name));
 
     let pod = PodSpec {
-        volumes: (init_containers.is_some() && raises_node_sysctls(plan)).then(|| {
-            vec![Volume {
-                name: HOST_PROC_VOLUME.into(),
-                host_path: Some(HostPathVolumeSource {
-                    path: "/proc".into(),
-                    type_: Some("Directory".into()),
-                }),
-                ..Default::default()
-            }]
-        }),
+        volumes: Some(volumes),
         init_containers,
         containers: vec![server_container],
-        security_context: pod_sysctls,
+        security_context: Some(pod_security),
         node_selector: (!spec.placement.node_selector.is_empty())
             .then(|| spec.placement.node_selector.clone()),
         tolerations: (!spec.placement.tolerations.is_empty())
@@ -436,6 +434,66 @@ fn sysctl_init_container(image: &str, plan: &Plan) -> Container {
 /// Name of the volume holding the host's /proc in the init container.
 const HOST_PROC_VOLUME: &str = "host-proc";
 
+/// Name of the volume holding the fleet's admin Secret in the server
+/// container.
+const ADMIN_TOKEN_VOLUME: &str = "admin-token";
+
+/// Mode of the admin token file: read for its owner (root) and its group
+/// (the pod's `fsGroup`, [`SERVER_GID`]), nothing for anyone else.
+pub const ADMIN_TOKEN_FILE_MODE: i32 = 0o440;
+
+/// The fleet's admin Secret as a volume holding only its token, as the
+/// file [`c10m_wire::admin::TOKEN_KEY`] (the Secret must exist and hold
+/// the key, or the pod does not start; the operator creates it before the
+/// Deployment).
+///
+/// The kubelet writes Secret volume files as root with the volume's mode,
+/// then, with the pod's `fsGroup`, gives them that group (and group read).
+/// With `defaultMode: 0440` and `fsGroup: 65532` the token is
+/// `root:65532 0440`: readable by a process whose gid or a supplementary
+/// group is 65532, by no one else. That holds in every mode: starting as
+/// 65532:65532 (PodSecurityContext and None modes; gid 65532), and in
+/// InitContainer mode too, where the server starts as root:root (65532 is
+/// then one of its supplementary groups), clears its supplementary groups
+/// and switches to 65532:65532 before it reads the file (docs/adr/0008):
+/// its gid is the file's group. Other backends' images read it through
+/// the supplementary group `fsGroup` adds to their processes, whatever
+/// their uid. `fsGroup` is not applied to the host `/proc` (hostPath
+/// volumes keep their ownership).
+///
+/// The kubelet updates the file when the Secret changes (within its sync
+/// period, about a minute by default) by swapping the volume's `..data`
+/// symlink; the server re-reads it, so a rotated token takes effect
+/// without a restart.
+fn admin_token_volume(fleet: &str) -> Volume {
+    Volume {
+        name: ADMIN_TOKEN_VOLUME.into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(secret_name(fleet)),
+            items: Some(vec![KeyToPath {
+                key: admin::TOKEN_KEY.into(),
+                path: admin::TOKEN_KEY.into(),
+                mode: None,
+            }]),
+            default_mode: Some(ADMIN_TOKEN_FILE_MODE),
+            optional: Some(false),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The server container's read-only mount of [`admin_token_volume`] at
+/// [`c10m_wire::admin::TOKEN_DIR`]: the whole volume, never a `subPath`
+/// (a `subPath` mount never sees the kubelet's updates).
+fn admin_token_mount() -> VolumeMount {
+    VolumeMount {
+        name: ADMIN_TOKEN_VOLUME.into(),
+        mount_path: admin::TOKEN_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
+    }
+}
+
 /// True when `plan` raises a node-level sysctl (the init container then
 /// enters the host's network namespace through its /proc).
 fn raises_node_sysctls(plan: &Plan) -> bool {
@@ -547,6 +605,18 @@ mod tests {
             .flatten()
             .find(|e| e.name == name)
             .and_then(|e| e.value.as_deref())
+    }
+
+    fn volume_names(p: &PodSpec) -> Vec<&str> {
+        p.volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.as_str())
+            .collect()
+    }
+
+    fn pod_sysctls(p: &PodSpec) -> Option<Vec<PodSysctl>> {
+        p.security_context.as_ref().and_then(|s| s.sysctls.clone())
     }
 
     fn caps(c: &Container) -> (Vec<String>, Option<Vec<String>>) {
@@ -731,7 +801,8 @@ mod tests {
         let volumes = p.volumes.as_ref().unwrap();
         assert_eq!(volumes[0].name, "host-proc");
         assert_eq!(volumes[0].host_path.as_ref().unwrap().path, "/proc");
-        assert_eq!(p.security_context, None, "no pod sysctls in this mode");
+        assert_eq!(volume_names(p), ["host-proc", "admin-token"]);
+        assert_eq!(pod_sysctls(p), None, "no pod sysctls in this mode");
     }
 
     /// Issue 13: the privileged container's image is the admin's. A fleet
@@ -835,11 +906,11 @@ mod tests {
         );
         assert_eq!(pod(&out).init_containers, None);
         assert_eq!(
-            pod(&out).volumes,
-            None,
+            volume_names(pod(&out)),
+            ["admin-token"],
             "no host /proc without the init container"
         );
-        assert_eq!(pod(&out).security_context, None);
+        assert_eq!(pod_sysctls(pod(&out)), None);
     }
 
     #[test]
@@ -853,7 +924,7 @@ mod tests {
         }));
         let p = pod(&c.out);
         assert_eq!(p.init_containers, None);
-        assert_eq!(p.volumes, None);
+        assert_eq!(volume_names(p), ["admin-token"]);
         let sysctls = p.security_context.as_ref().unwrap().sysctls.clone();
         assert_eq!(
             sysctls,
@@ -871,7 +942,7 @@ mod tests {
         // Without allowed unsafe sysctls nothing the plan wants is kubelet-safe.
         let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": "PodSecurityContext"}}));
         assert!(c.plan.sysctls.is_empty());
-        assert_eq!(pod(&c.out).security_context, None);
+        assert_eq!(pod_sysctls(pod(&c.out)), None);
         assert_eq!(pod(&c.out).init_containers, None);
     }
 
@@ -880,8 +951,8 @@ mod tests {
         let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": "None"}}));
         let p = pod(&c.out);
         assert_eq!(p.init_containers, None);
-        assert_eq!(p.volumes, None);
-        assert_eq!(p.security_context, None);
+        assert_eq!(volume_names(p), ["admin-token"]);
+        assert_eq!(pod_sysctls(p), None);
         assert!(!c.plan.sysctls_not_applied.is_empty());
     }
 
@@ -954,27 +1025,94 @@ mod tests {
         for (name, value) in expected {
             assert_eq!(env_value(s, name), Some(value.as_str()), "{name}");
         }
-        // The admin token comes from the fleet's Secret, never inline.
-        let token = s
-            .env
-            .iter()
-            .flatten()
-            .find(|e| e.name == wire_env::ADMIN_TOKEN)
-            .unwrap();
-        assert_eq!(token.value, None);
-        let key = token
-            .value_from
-            .as_ref()
-            .unwrap()
-            .secret_key_ref
-            .as_ref()
-            .unwrap();
+        // The admin token is a file of the fleet's Secret volume, never
+        // inline and never an env var (a rotated Secret never reaches one).
         assert_eq!(
-            (key.name.as_str(), key.key.as_str(), key.optional),
-            ("edge-admin", "token", Some(false))
+            env_value(s, wire_env::ADMIN_TOKEN_FILE),
+            Some("/var/run/c10m/admin/token")
         );
-        assert_eq!(key.name, secret_name("edge"));
-        assert_eq!(key.key, admin::TOKEN_KEY);
+        assert!(
+            s.env
+                .iter()
+                .flatten()
+                .all(|e| e.name != wire_env::ADMIN_TOKEN && e.value_from.is_none()),
+            "no token env, nothing from a Secret key: {:?}",
+            s.env
+        );
+    }
+
+    /// Issue 13: the admin token reaches the server as a mounted Secret
+    /// file the kubelet keeps up to date, readable by the serving uid
+    /// (group 65532, mode 0440) in every mode and backend.
+    #[test]
+    fn the_admin_token_is_a_read_only_secret_file_of_group_65532() {
+        for spec in [
+            json!({"connections": 10_000_000}),
+            json!({"connections": 1_000_000, "sysctls": {"mode": "PodSecurityContext"}}),
+            json!({"connections": 1_000_000, "sysctls": {"mode": "None"}}),
+            json!({"connections": 1_000_000, "backend": {"model": "goroutine"}}),
+        ] {
+            let c = case(spec.clone());
+            let p = pod(&c.out);
+            let volume = p
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == "admin-token")
+                .unwrap_or_else(|| panic!("{spec}: no admin-token volume"));
+            let secret = volume.secret.as_ref().expect("a secret volume");
+            assert_eq!(secret.secret_name.as_deref(), Some("edge-admin"), "{spec}");
+            assert_eq!(secret.secret_name, Some(secret_name("edge")));
+            assert_eq!(secret.optional, Some(false));
+            assert_eq!(secret.default_mode, Some(0o440), "{spec}");
+            let items = secret.items.clone().unwrap();
+            assert_eq!(items.len(), 1, "only the token key: {items:?}");
+            assert_eq!(
+                (items[0].key.as_str(), items[0].path.as_str(), items[0].mode),
+                (admin::TOKEN_KEY, "token", None)
+            );
+            assert_eq!(
+                p.security_context.as_ref().unwrap().fs_group,
+                Some(65532),
+                "{spec}: the file's group is the server's gid"
+            );
+            let s = server(&c.out);
+            let mounts = s.volume_mounts.clone().unwrap();
+            assert_eq!(mounts.len(), 1, "{mounts:?}");
+            let m = &mounts[0];
+            assert_eq!(
+                (m.name.as_str(), m.mount_path.as_str(), m.read_only),
+                ("admin-token", "/var/run/c10m/admin", Some(true))
+            );
+            assert_eq!(m.sub_path, None, "a subPath mount is never updated");
+            assert_eq!(
+                env_value(s, wire_env::ADMIN_TOKEN_FILE).map(String::from),
+                Some(format!("{}/{}", m.mount_path, items[0].path)),
+                "{spec}: the env names the mounted file"
+            );
+            // Only the server sees it: the privileged init container does not.
+            for init in p.init_containers.iter().flatten() {
+                assert!(
+                    init.volume_mounts
+                        .iter()
+                        .flatten()
+                        .all(|m| m.name != "admin-token"),
+                    "{spec}"
+                );
+            }
+        }
+        // In InitContainer mode the server starts as root and drops to
+        // 65532:65532 (clearing its supplementary groups) before it reads
+        // the file: its gid after the drop is the file's group.
+        let c = case(json!({"connections": 1_000_000}));
+        assert_eq!(
+            env_value(server(&c.out), wire_env::RUN_AS),
+            Some("65532:65532")
+        );
+        assert_eq!(
+            pod(&c.out).security_context.as_ref().unwrap().fs_group,
+            Some(SERVER_GID)
+        );
     }
 
     #[test]
@@ -1131,22 +1269,50 @@ mod tests {
     }
 
     /// What the server makes of the rendered env, parsed by its own config
-    /// parser (`c10m_server::Config`), with the Secret's token filled in.
-    fn server_config(c: &Case) -> c10m_server::Config {
-        let pairs: Vec<(String, String)> = server(&c.out)
+    /// parser (`c10m_server::Config`), with the Secret volume in place: the
+    /// Secret's token written where the kubelet puts it (each item's path
+    /// in the mount's directory), into `root`, and paths under the mount
+    /// rewritten into `root` (the test cannot write the mount path itself).
+    fn server_config(c: &Case, root: &std::path::Path) -> c10m_server::Config {
+        let s = server(&c.out);
+        let mut mounts = Vec::new();
+        for m in s.volume_mounts.iter().flatten() {
+            let volume = pod(&c.out)
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == m.name)
+                .expect("every mount has its volume");
+            let secret = volume.secret.as_ref().expect("only Secret volumes");
+            assert_eq!(secret.secret_name, Some(secret_name("edge")));
+            let dir = root.join(&m.name);
+            std::fs::create_dir_all(&dir).unwrap();
+            for item in secret.items.iter().flatten() {
+                assert_eq!(
+                    item.key,
+                    admin::TOKEN_KEY,
+                    "the Secret holds only the token"
+                );
+                std::fs::write(dir.join(&item.path), "t0ken-from-the-secret\n").unwrap();
+            }
+            mounts.push((m.mount_path.clone(), dir));
+        }
+        let pairs: Vec<(String, String)> = s
             .env
             .iter()
             .flatten()
             .map(|e| {
                 let value = match (&e.value, &e.value_from) {
                     (Some(v), None) => v.clone(),
-                    (None, Some(from)) => {
-                        let key = from.secret_key_ref.as_ref().expect("only Secret refs");
-                        assert_eq!(key.name, secret_name("edge"));
-                        "t0ken-from-the-secret".to_string()
-                    }
                     other => panic!("env {} has {other:?}", e.name),
                 };
+                let value = mounts
+                    .iter()
+                    .find_map(|(at, dir)| {
+                        let rest = value.strip_prefix(at.as_str())?.strip_prefix('/')?;
+                        Some(dir.join(rest).display().to_string())
+                    })
+                    .unwrap_or(value);
                 (e.name.clone(), value)
             })
             .collect();
@@ -1179,7 +1345,11 @@ mod tests {
                     );
                 }
             }
-            let cfg = server_config(&c);
+            let root = std::env::temp_dir().join(format!(
+                "c10m-render-volume-{}-{protocol}",
+                std::process::id()
+            ));
+            let cfg = server_config(&c, &root);
             let p = &c.plan;
             assert_eq!(cfg.protocol, want, "{protocol}");
             assert_eq!((cfg.port, cfg.metrics_port), (7100, 9100));
@@ -1196,10 +1366,13 @@ mod tests {
             let lives = (cfg.drain_timeout_secs).max(cfg.drain_accept_secs + 2) as i64;
             assert!(lives < grace, "{lives} >= {grace}");
             assert!(cfg.drain_timeout_secs as i64 >= drain_seconds(p.shard_connection_limit, 3000));
+            // The file the env names is the one the Secret volume holds.
             assert_eq!(
                 cfg.admin_token().unwrap().as_deref(),
                 Some("t0ken-from-the-secret")
             );
+            assert_eq!(cfg.admin_token, None, "no fixed token");
+            std::fs::remove_dir_all(&root).unwrap();
             // The plan's values, not the server's defaults.
             assert_ne!(
                 cfg.max_connections,

@@ -48,7 +48,10 @@ pub mod env {
     /// has updated the volume, without a restart.
     pub const ADMIN_TOKEN_FILE: &str = "C10M_ADMIN_TOKEN_FILE";
     /// The admin bearer token itself, fixed for the life of the process
-    /// (a rotated Secret never reaches a running env var).
+    /// (a rotated Secret never reaches a running env var). The operator no
+    /// longer renders it (issue 13); the server still reads it for
+    /// Deployments rendered by earlier operators, which a newer server
+    /// image may run under, and for running it by hand or in tests.
     /// [`ADMIN_TOKEN_FILE`] wins when both are set.
     pub const ADMIN_TOKEN: &str = "C10M_ADMIN_TOKEN";
     /// Seconds of silence before the first TCP keepalive probe (0: no
