@@ -13,11 +13,23 @@
 //! termination grace period has passed. A crashed server is restarted with
 //! a backoff, like a kubelet would. SIGTERM/SIGINT stop every server first.
 //!
+//! Secret volumes the container mounts are materialized the way the kubelet
+//! writes them (a timestamped directory, a `..data` symlink to it swapped
+//! atomically on update, a symlink per key), one directory per pod and
+//! volume under `--volume-dir`, with the volume's modes and the pod's
+//! `fsGroup` as the files' group; env values and args naming a path under
+//! the mount path are rewritten into that directory (the servers run on the
+//! host, so the mount path itself does not exist). A Secret that changes is
+//! written again within a tick, as the kubelet does within its sync
+//! period: Secrets carrying the pod selector's labels (the operator's admin
+//! Secrets do) are watched; others are read once, at start. Other volume
+//! kinds are not materialized.
+//!
 //! Invariants: at most one server per pod UID, and at most one live server
 //! per IP (a new pod that reuses the IP of a draining one waits for it).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,7 +37,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Parser;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, KeyToPath, Pod, Secret};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::signal::unix::{SignalKind, signal};
@@ -55,6 +68,13 @@ struct Args {
     /// killing them.
     #[arg(long, default_value_t = 10)]
     shutdown_timeout_secs: u64,
+    /// Directory of the pods' Secret volumes, one `<pod uid>/<volume>` each
+    /// (default: `$TMPDIR/c10m-pod-runner.<pid>`, removed at exit). Servers
+    /// that drop to an unprivileged uid read their files after the drop,
+    /// so every directory above it must be enterable by that uid (the log
+    /// directory under /root is not).
+    #[arg(long)]
+    volume_dir: Option<PathBuf>,
 }
 
 /// Grace period when a pod does not set one (the Kubernetes default).
@@ -72,6 +92,199 @@ struct Server {
     /// When SIGTERM was sent and when SIGKILL is due.
     term: Option<(Instant, Instant)>,
     killed: bool,
+    /// The Secret volumes materialized for it.
+    volumes: Vec<SecretVolume>,
+}
+
+/// Default file mode of a Secret volume (`defaultMode` unset), as the API
+/// server defaults it.
+const SECRET_DEFAULT_MODE: u32 = 0o644;
+
+/// A pod's Secret volume, materialized on the host.
+struct SecretVolume {
+    namespace: String,
+    /// The Secret's name.
+    secret: String,
+    items: Option<Vec<KeyToPath>>,
+    default_mode: u32,
+    optional: bool,
+    /// The pod's `fsGroup`: the files' group, with group read added.
+    fs_group: Option<u32>,
+    /// Where it is written: `<volume dir>/<pod uid>/<volume name>`.
+    dir: PathBuf,
+    /// What it holds now: path in the volume -> (bytes, mode).
+    files: Files,
+    /// Updates written, for unique timestamped directory names.
+    generation: u64,
+    /// The last failed update, logged once.
+    failed: Option<String>,
+}
+
+/// A Secret volume's files: path in the volume -> (bytes, mode).
+type Files = BTreeMap<String, (Vec<u8>, u32)>;
+
+impl SecretVolume {
+    /// The files `secret` (`None`: it does not exist) projects into this
+    /// volume: the listed items (each key must exist unless the volume is
+    /// optional), or every key; file modes from the item, else the
+    /// volume's default, plus group read with an `fsGroup` (the kubelet's
+    /// ownership change for read-only volumes).
+    fn project(&self, secret: Option<&Secret>) -> Result<Files> {
+        let data = match secret {
+            Some(s) => s.data.clone().unwrap_or_default(),
+            None if self.optional => BTreeMap::new(),
+            None => anyhow::bail!("secret {}/{} not found", self.namespace, self.secret),
+        };
+        let group_read = if self.fs_group.is_some() { 0o440 } else { 0 };
+        let mut files = Files::new();
+        match &self.items {
+            Some(items) => {
+                for item in items {
+                    let Some(bytes) = data.get(&item.key) else {
+                        if self.optional {
+                            continue;
+                        }
+                        anyhow::bail!(
+                            "secret {}/{} has no key {}",
+                            self.namespace,
+                            self.secret,
+                            item.key
+                        );
+                    };
+                    let mode = item.mode.map_or(self.default_mode, |m| m as u32);
+                    files.insert(item.path.clone(), (bytes.0.clone(), mode | group_read));
+                }
+            }
+            None => {
+                for (key, bytes) in data {
+                    files.insert(key, (bytes.0, self.default_mode | group_read));
+                }
+            }
+        }
+        for path in files.keys() {
+            anyhow::ensure!(
+                !path.is_empty()
+                    && !path.starts_with('/')
+                    && !path.starts_with("..")
+                    && Path::new(path)
+                        .components()
+                        .all(|c| matches!(c, std::path::Component::Normal(_))),
+                "secret volume path {path:?} is not a relative path inside the volume"
+            );
+        }
+        Ok(files)
+    }
+
+    /// Writes `files` the kubelet's way: a new timestamped directory, a
+    /// `..data` symlink renamed over the old one (atomic: a reader opening
+    /// `<dir>/<key>` gets the old or the new file, whole), a `<key>` ->
+    /// `..data/<key>` symlink per top-level name, then the old directory and
+    /// stale names go.
+    fn write(&mut self, files: Files) -> std::io::Result<()> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt, symlink};
+        let mkdir = |d: &Path| {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(d)
+        };
+        mkdir(&self.dir)?;
+        self.generation += 1;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let ts = format!(
+            "..{}.{:09}.{}",
+            stamp.as_secs(),
+            stamp.subsec_nanos(),
+            self.generation
+        );
+        let ts_dir = self.dir.join(&ts);
+        mkdir(&ts_dir)?;
+        for (path, (bytes, mode)) in &files {
+            let file = ts_dir.join(path);
+            if let Some(parent) = file.parent() {
+                mkdir(parent)?;
+            }
+            std::fs::write(&file, bytes)?;
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(*mode))?;
+            if let Some(gid) = self.fs_group {
+                match std::os::unix::fs::chown(&file, None, Some(gid)) {
+                    // Not root: the server runs as this user and cannot
+                    // drop, so the file is readable as it is.
+                    Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {}
+                    other => other?,
+                }
+            }
+        }
+        let data = self.dir.join("..data");
+        let old = std::fs::read_link(&data).ok();
+        let tmp = self.dir.join("..data_tmp");
+        let _ = std::fs::remove_file(&tmp);
+        symlink(&ts, &tmp)?;
+        std::fs::rename(&tmp, &data)?;
+        let tops: BTreeSet<String> = files
+            .keys()
+            .filter_map(|p| p.split('/').next().map(String::from))
+            .collect();
+        for top in &tops {
+            let link = self.dir.join(top);
+            if std::fs::symlink_metadata(&link).is_err() {
+                symlink(format!("..data/{top}"), &link)?;
+            }
+        }
+        for entry in std::fs::read_dir(&self.dir)? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("..") && !tops.contains(&name) {
+                std::fs::remove_file(self.dir.join(&name))?;
+            }
+        }
+        if let Some(old) = old
+            && old.as_os_str() != ts.as_str()
+        {
+            std::fs::remove_dir_all(self.dir.join(old))?;
+        }
+        self.files = files;
+        Ok(())
+    }
+
+    /// Writes the volume again if `secret` now projects other files; a
+    /// failure keeps what is there (as the kubelet does) and is logged once.
+    fn refresh(&mut self, pod: &str, secret: Option<&Secret>) {
+        let result = self.project(secret).and_then(|files| {
+            if files != self.files {
+                self.write(files)?;
+                info!(%pod, secret = %self.secret, dir = %self.dir.display(),
+                      "secret changed: volume rewritten");
+            }
+            Ok(())
+        });
+        match result {
+            Ok(()) => self.failed = None,
+            Err(e) => {
+                let e = format!("{e:#}");
+                if self.failed.as_ref() != Some(&e) {
+                    warn!(%pod, secret = %self.secret, "secret volume not updated: {e}");
+                    self.failed = Some(e);
+                }
+            }
+        }
+    }
+}
+
+/// `value` with a leading mount path (`at`, or `at/...`) replaced by the
+/// directory it is materialized in.
+fn rewrite(value: &str, mounts: &[(String, PathBuf)]) -> String {
+    for (at, dir) in mounts {
+        let at = at.trim_end_matches('/');
+        if value == at {
+            return dir.display().to_string();
+        }
+        if let Some(rest) = value.strip_prefix(at).and_then(|r| r.strip_prefix('/')) {
+            return dir.join(rest).display().to_string();
+        }
+    }
+    value.to_string()
 }
 
 /// A server's exit, reported by the task that waits on it.
@@ -83,6 +296,8 @@ struct Exit {
 struct Runner {
     args: Args,
     server_bin: PathBuf,
+    /// Root of the pods' Secret volumes.
+    volume_dir: PathBuf,
     client: Client,
     servers: HashMap<String, Server>,
     /// Pod UID -> (earliest next start, current backoff) after a crash or a
@@ -123,8 +338,9 @@ fn signal_pid(pid: i32, sig: i32) {
 }
 
 impl Runner {
-    /// Brings the servers in line with the pods in the store.
-    async fn reconcile(&mut self, pods: &[Arc<Pod>]) {
+    /// Brings the servers in line with the pods in the store, and their
+    /// Secret volumes in line with the Secrets.
+    async fn reconcile(&mut self, pods: &[Arc<Pod>], secrets: &Store<Secret>) {
         let now = Instant::now();
         let by_uid: HashMap<String, &Pod> = pods
             .iter()
@@ -173,6 +389,18 @@ impl Runner {
         // Forget state of pods that no longer exist.
         self.backoff.retain(|uid, _| by_uid.contains_key(uid));
         self.waiting.retain(|uid| by_uid.contains_key(uid));
+
+        // Secrets that changed reach the volumes of running servers.
+        for s in self.servers.values_mut().filter(|s| s.term.is_none()) {
+            for v in &mut s.volumes {
+                let key = ObjectRef::<Secret>::new(&v.secret).within(&v.namespace);
+                // Only watched Secrets; a deleted one keeps its files, as
+                // the kubelet keeps them.
+                if let Some(secret) = secrets.get(&key) {
+                    v.refresh(&s.pod, Some(&secret));
+                }
+            }
+        }
     }
 
     /// SIGKILL for servers still running past their grace period.
@@ -208,7 +436,37 @@ impl Runner {
             .find(|c| c.name == self.args.container)
             .or_else(|| spec.containers.first())
             .context("pod has no containers")?;
-        let env = self.resolve_env(pod, container).await?;
+        let volumes = match self.materialize(uid, pod, container).await {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(self.volume_dir.join(uid));
+                return Err(e);
+            }
+        };
+        let mounts: Vec<(String, PathBuf)> = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .filter_map(|m| {
+                let dir = self.volume_dir.join(uid).join(&m.name);
+                volumes
+                    .iter()
+                    .any(|v| v.dir == dir)
+                    .then(|| (m.mount_path.clone(), dir))
+            })
+            .collect();
+        let env: BTreeMap<String, String> = self
+            .resolve_env(pod, container)
+            .await?
+            .into_iter()
+            .map(|(k, v)| (k, rewrite(&v, &mounts)))
+            .collect();
+        let args: Vec<String> = container
+            .args
+            .iter()
+            .flatten()
+            .map(|a| rewrite(a, &mounts))
+            .collect();
         let key = pod_key(pod);
         let log_path = self.args.log_dir.join(format!(
             "{}_{}.log",
@@ -229,7 +487,7 @@ impl Runner {
             )?;
         }
         let mut cmd = tokio::process::Command::new(&self.server_bin);
-        cmd.args(container.args.iter().flatten())
+        cmd.args(&args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .envs(&env)
@@ -268,6 +526,7 @@ impl Runner {
                 grace,
                 term: None,
                 killed: false,
+                volumes,
             },
         );
         let exits = self.exits.clone();
@@ -277,6 +536,65 @@ impl Runner {
             let _ = exits.send(Exit { uid, status });
         });
         Ok(())
+    }
+
+    /// Materializes the Secret volumes `container` mounts (read from the
+    /// API now) under `<volume dir>/<pod uid>/<volume name>`. A missing
+    /// Secret or key is an error unless the volume is optional (the kubelet
+    /// would not start the container either).
+    async fn materialize(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        container: &Container,
+    ) -> Result<Vec<SecretVolume>> {
+        let ns = pod.namespace().unwrap_or_default();
+        let spec = pod.spec.as_ref().context("pod has no spec")?;
+        let fs_group = spec
+            .security_context
+            .as_ref()
+            .and_then(|s| s.fs_group)
+            .and_then(|g| u32::try_from(g).ok());
+        let mut out = Vec::new();
+        for m in container.volume_mounts.iter().flatten() {
+            let Some(source) = spec
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == m.name)
+                .and_then(|v| v.secret.as_ref())
+            else {
+                continue;
+            };
+            if m.sub_path.is_some() || m.sub_path_expr.is_some() {
+                warn!(pod = %pod_key(pod), volume = %m.name, "subPath mounts are not supported; not materialized");
+                continue;
+            }
+            let name = source.secret_name.clone().unwrap_or_default();
+            let mut v = SecretVolume {
+                namespace: ns.clone(),
+                secret: name.clone(),
+                items: source.items.clone(),
+                default_mode: source
+                    .default_mode
+                    .map_or(SECRET_DEFAULT_MODE, |m| m as u32),
+                optional: source.optional == Some(true),
+                fs_group,
+                dir: self.volume_dir.join(uid).join(&m.name),
+                files: Files::new(),
+                generation: 0,
+                failed: None,
+            };
+            let api: Api<Secret> = Api::namespaced(self.client.clone(), &ns);
+            let secret = api.get_opt(&name).await?;
+            let files = v
+                .project(secret.as_ref())
+                .with_context(|| format!("volume {}", m.name))?;
+            v.write(files)
+                .with_context(|| format!("writing volume {} to {}", m.name, v.dir.display()))?;
+            out.push(v);
+        }
+        Ok(out)
     }
 
     /// The container's environment: literal values, `secretKeyRef` and
@@ -355,11 +673,15 @@ impl Runner {
         Ok(out)
     }
 
-    /// Records a server's exit; schedules a restart if its pod still wants one.
+    /// Records a server's exit; schedules a restart if its pod still wants
+    /// one (which materializes its volumes afresh).
     fn exited(&mut self, exit: Exit) {
         let Some(s) = self.servers.remove(&exit.uid) else {
             return;
         };
+        if !s.volumes.is_empty() {
+            let _ = std::fs::remove_dir_all(self.volume_dir.join(&exit.uid));
+        }
         let status = match &exit.status {
             Ok(st) => st.to_string(),
             Err(e) => format!("wait failed: {e}"),
@@ -423,6 +745,24 @@ async fn main() -> Result<()> {
     );
     std::fs::create_dir_all(&args.log_dir)
         .with_context(|| format!("create {}", args.log_dir.display()))?;
+    // The default directory is this process's own: emptied at start and
+    // removed at exit. A given one is left as it is; only the pods'
+    // directories in it are removed as their servers stop.
+    let own_volume_dir = args.volume_dir.is_none();
+    let volume_dir = args.volume_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("c10m-pod-runner.{}", std::process::id()))
+    });
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        if own_volume_dir {
+            let _ = std::fs::remove_dir_all(&volume_dir);
+        }
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(&volume_dir)
+            .with_context(|| format!("create {}", volume_dir.display()))?;
+    }
     let client = Client::try_default().await.context("kube client")?;
 
     let (store, writer) = reflector::store::<Pod>();
@@ -434,13 +774,30 @@ async fn main() -> Result<()> {
         writer,
         watcher(pods, watcher::Config::default().labels(&args.selector)).default_backoff()
     ));
+    // The Secrets of the same selector (the operator's admin Secrets), so a
+    // rotated one reaches the volumes of the servers that mount it.
+    let (secrets, secret_writer) = reflector::store::<Secret>();
+    let secret_api: Api<Secret> = match &args.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let mut secret_events = std::pin::pin!(reflector(
+        secret_writer,
+        watcher(
+            secret_api,
+            watcher::Config::default().labels(&args.selector)
+        )
+        .default_backoff()
+    ));
     let (tx, mut exits) = mpsc::unbounded_channel();
     let shutdown_timeout = Duration::from_secs(args.shutdown_timeout_secs);
     info!(selector = %args.selector, server = %server_bin.display(),
-          logs = %args.log_dir.display(), "c10m-pod-runner watching pods");
+          logs = %args.log_dir.display(), volumes = %volume_dir.display(),
+          "c10m-pod-runner watching pods and their Secrets");
     let mut runner = Runner {
         args,
         server_bin,
+        volume_dir: volume_dir.clone(),
         client,
         servers: HashMap::new(),
         backoff: HashMap::new(),
@@ -460,16 +817,178 @@ async fn main() -> Result<()> {
                 Some(Err(e)) => { warn!("watch: {e}"); continue }
                 None => break,
             },
+            Some(ev) = secret_events.next() => {
+                if let Err(e) = ev {
+                    warn!("secret watch: {e}");
+                }
+            }
             Some(exit) = exits.recv() => runner.exited(exit),
             _ = tick.tick() => {}
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
         if ready {
-            runner.reconcile(&store.state()).await;
+            runner.reconcile(&store.state(), &secrets).await;
         }
     }
     runner.shutdown(&mut exits, shutdown_timeout).await;
+    if own_volume_dir {
+        let _ = std::fs::remove_dir_all(&volume_dir);
+    }
     info!("c10m-pod-runner stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::ByteString;
+    use std::os::unix::fs::MetadataExt;
+
+    fn secret(token: &str) -> Secret {
+        Secret {
+            data: Some(BTreeMap::from([
+                ("token".to_string(), ByteString(token.as_bytes().to_vec())),
+                ("other".to_string(), ByteString(b"x".to_vec())),
+            ])),
+            ..Default::default()
+        }
+    }
+
+    fn volume(dir: &Path, items: Option<Vec<KeyToPath>>, fs_group: Option<u32>) -> SecretVolume {
+        SecretVolume {
+            namespace: "ns".into(),
+            secret: "edge-admin".into(),
+            items,
+            default_mode: 0o440,
+            optional: false,
+            fs_group,
+            dir: dir.to_path_buf(),
+            files: Files::new(),
+            generation: 0,
+            failed: None,
+        }
+    }
+
+    fn token_item() -> Option<Vec<KeyToPath>> {
+        Some(vec![KeyToPath {
+            key: "token".into(),
+            path: "token".into(),
+            mode: None,
+        }])
+    }
+
+    #[test]
+    fn a_secret_volume_is_written_and_swapped_the_kubelets_way() {
+        let root =
+            std::env::temp_dir().join(format!("c10m-pod-runner-test-{}", std::process::id()));
+        let dir = root.join("uid").join("admin-token");
+        let root_user = std::fs::metadata("/proc/self").unwrap().uid() == 0;
+        let mut v = volume(&dir, token_item(), Some(65532));
+        let files = v.project(Some(&secret("old"))).unwrap();
+        assert_eq!(
+            files.keys().collect::<Vec<_>>(),
+            ["token"],
+            "only the listed key"
+        );
+        v.write(files).unwrap();
+        let token = dir.join("token");
+        assert_eq!(
+            std::fs::read_link(&token).unwrap(),
+            Path::new("..data/token")
+        );
+        let first = std::fs::read_link(dir.join("..data")).unwrap();
+        assert!(first.to_string_lossy().starts_with(".."), "{first:?}");
+        assert_eq!(std::fs::read_to_string(&token).unwrap(), "old");
+        let meta = std::fs::metadata(&token).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o440);
+        if root_user {
+            assert_eq!(meta.gid(), 65532, "fsGroup is the file's group");
+        }
+
+        // An update: a new directory behind ..data, the old one gone.
+        v.refresh("ns/pod", Some(&secret("new")));
+        assert_eq!(std::fs::read_to_string(&token).unwrap(), "new");
+        let second = std::fs::read_link(dir.join("..data")).unwrap();
+        assert_ne!(first, second);
+        assert!(!dir.join(&first).exists());
+        // Nothing changed: nothing written.
+        v.refresh("ns/pod", Some(&secret("new")));
+        assert_eq!(std::fs::read_link(dir.join("..data")).unwrap(), second);
+        // The key gone: the files stay, the failure is kept once.
+        let mut lost = secret("x");
+        lost.data.as_mut().unwrap().remove("token");
+        v.refresh("ns/pod", Some(&lost));
+        assert_eq!(std::fs::read_to_string(&token).unwrap(), "new");
+        assert!(v.failed.as_deref().unwrap().contains("no key token"));
+        let names: BTreeSet<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            BTreeSet::from([
+                "..data".to_string(),
+                "token".to_string(),
+                second.display().to_string()
+            ])
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn projection_follows_the_volume_source() {
+        let dir = Path::new("/nonexistent");
+        // Every key without items; modes from the default, group read with fsGroup.
+        let mut all = volume(dir, None, None);
+        all.default_mode = 0o400;
+        let files = all.project(Some(&secret("t"))).unwrap();
+        assert_eq!(files["token"], (b"t".to_vec(), 0o400));
+        assert_eq!(files["other"].1, 0o400);
+        all.fs_group = Some(65532);
+        assert_eq!(all.project(Some(&secret("t"))).unwrap()["token"].1, 0o440);
+        // A missing Secret or key is an error unless optional.
+        let mut v = volume(dir, token_item(), None);
+        assert!(v.project(None).is_err());
+        let mut lost = secret("x");
+        lost.data.as_mut().unwrap().remove("token");
+        assert!(v.project(Some(&lost)).is_err());
+        v.optional = true;
+        assert!(v.project(None).unwrap().is_empty());
+        assert!(v.project(Some(&lost)).unwrap().is_empty());
+        // Paths stay inside the volume.
+        for bad in ["../x", "/etc/x", "a/../../x", ""] {
+            let v = volume(
+                dir,
+                Some(vec![KeyToPath {
+                    key: "token".into(),
+                    path: bad.into(),
+                    mode: None,
+                }]),
+                None,
+            );
+            assert!(v.project(Some(&secret("t"))).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn paths_under_a_mount_are_rewritten_into_its_directory() {
+        let mounts = vec![(
+            "/var/run/c10m/admin".to_string(),
+            PathBuf::from("/tmp/r/uid/admin-token"),
+        )];
+        assert_eq!(
+            rewrite("/var/run/c10m/admin/token", &mounts),
+            "/tmp/r/uid/admin-token/token"
+        );
+        assert_eq!(
+            rewrite("/var/run/c10m/admin", &mounts),
+            "/tmp/r/uid/admin-token"
+        );
+        assert_eq!(
+            rewrite("/var/run/c10m/administrator", &mounts),
+            "/var/run/c10m/administrator"
+        );
+        assert_eq!(rewrite("7000", &mounts), "7000");
+    }
 }
