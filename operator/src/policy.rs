@@ -5,8 +5,11 @@
 //! creates privileged pods and raises node-wide kernel limits). Everything
 //! that reaches past the fleet's namespace is the admin's to decide here,
 //! never the fleet's: the privileged init container's image, which
-//! namespaces may run it at all, which taints a fleet may tolerate, how long
-//! a departing shard may hold a node, and how far node-level sysctls may go.
+//! namespaces may run it at all, which taints a fleet may tolerate and which
+//! node labels it may select on, how long a departing shard may hold a
+//! node, how far node-level sysctls may go, which Prometheus series its
+//! queries may read beyond its own namespace and fleet, and whether a fleet
+//! may claim its connections bypass conntrack.
 //!
 //! Loaded once by `c10m-operator run --policy-file` (the chart renders it
 //! from `values.policy` into a ConfigMap); without a file the defaults below
@@ -14,6 +17,7 @@
 //! `docs/adr/0007-admin-policy-as-operator-configuration.md`. A leaf: it
 //! imports no other module of the operator.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
@@ -34,6 +38,16 @@ pub const CONTROL_PLANE_TAINTS: [&str; 2] = [
 
 /// In a namespace list, every namespace.
 pub const ALL_NAMESPACES: &str = "*";
+
+/// In `reservedNodeLabels`, every node label key (no label key contains `*`).
+pub const EVERY_LABEL: &str = "*";
+
+/// As an `allowedNodeSelectors` value, every value (no label value contains `*`).
+pub const ANY_VALUE: &str = "*";
+
+/// Labels the operator itself confines every tenant query to; a policy's
+/// `queryMatchers` cannot set them.
+pub const CONFINED_LABELS: [&str; 2] = ["namespace", "fleet"];
 
 /// Longest `terminationGracePeriodSeconds` a fleet gets by default: an hour
 /// (chosen: a node drain or a rollout waits at most this long per shard).
@@ -79,11 +93,31 @@ pub struct Policy {
     /// Tolerations of reserved taints the admin allows, exactly as listed
     /// (key, operator, value, effect), in the listed namespaces.
     pub allowed_tolerations: Vec<AllowedToleration>,
+    /// Node label keys a fleet's `placement.nodeSelector` may not select
+    /// on unless [`Policy::allowed_node_selectors`] lists the key and value
+    /// for its namespace; `*` reserves every key. Default none: the node
+    /// selector is the tenant's.
+    pub reserved_node_labels: Vec<String>,
+    /// Node selector entries on reserved labels the admin allows: key and
+    /// value (`*`: any value), in the listed namespaces.
+    pub allowed_node_selectors: Vec<AllowedNodeSelector>,
     /// Longest `terminationGracePeriodSeconds` a shard gets; a drain that
     /// needs longer is cut, and the fleet says so.
     pub max_termination_grace_period_seconds: i64,
     /// Highest values the plan may raise node-level sysctls to.
     pub sysctl_ceilings: SysctlCeilings,
+    /// Label matchers every `spec.metrics` query of the listed namespaces'
+    /// fleets is confined to, beside `namespace` and `fleet` (which hold
+    /// for every fleet). Default none.
+    pub query_matchers: Vec<QueryMatchers>,
+    /// Whether connections to fleets on the cluster's nodes pass through
+    /// conntrack (kube-proxy's Service NAT). `true` (the default): every
+    /// plan in the cluster counts conntrack's bytes and table, whatever
+    /// `spec.node.conntrack` says. `false` (nodes that track no connections,
+    /// e.g. a kube-proxy replacement without netfilter): a fleet's
+    /// `spec.node.conntrack: false` is used. Offline plans take
+    /// `spec.node.conntrack` as given.
+    pub conntrack: bool,
 }
 
 /// Ceilings of the node-level sysctls a plan raises. A node already above
@@ -138,6 +172,31 @@ pub struct AllowedToleration {
     pub namespaces: Vec<String>,
 }
 
+/// A node selector entry on a reserved label the admin allows.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AllowedNodeSelector {
+    /// The node label key, exactly.
+    pub key: String,
+    /// The value, exactly, or `*` for any value.
+    pub value: String,
+    /// Namespaces whose fleets may use it; `*` (the default) is every namespace.
+    #[serde(default = "every_namespace")]
+    pub namespaces: Vec<String>,
+}
+
+/// Label matchers (label = value) the listed namespaces' queries are
+/// confined to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QueryMatchers {
+    /// Namespaces whose fleets' queries get them; `*` (the default) is every namespace.
+    #[serde(default = "every_namespace")]
+    pub namespaces: Vec<String>,
+    /// Label name → the value every selector must match exactly.
+    pub matchers: BTreeMap<String, String>,
+}
+
 fn every_namespace() -> Vec<String> {
     vec![ALL_NAMESPACES.to_string()]
 }
@@ -149,8 +208,12 @@ impl Default for Policy {
             init_container_namespaces: every_namespace(),
             reserved_taints: CONTROL_PLANE_TAINTS.map(String::from).to_vec(),
             allowed_tolerations: Vec::new(),
+            reserved_node_labels: Vec::new(),
+            allowed_node_selectors: Vec::new(),
             max_termination_grace_period_seconds: DEFAULT_MAX_TERMINATION_GRACE_SECONDS,
             sysctl_ceilings: SysctlCeilings::default(),
+            query_matchers: Vec::new(),
+            conntrack: true,
         }
     }
 }
@@ -173,6 +236,13 @@ pub enum Refusal {
         /// The reserved taint it tolerates.
         taint: String,
     },
+    /// A node selector entry on a reserved node label, not allowed.
+    NodeSelector {
+        /// The label key.
+        key: String,
+        /// The value the fleet selects.
+        value: String,
+    },
     /// `sysctls.mode: InitContainer` in a namespace the policy does not list.
     InitContainer {
         /// The fleet's namespace.
@@ -191,6 +261,10 @@ impl fmt::Display for Refusal {
                 f,
                 "spec.placement.tolerations[{index}] {toleration} tolerates the taint {taint}, which the operator's policy reserves (reservedTaints); remove it, or ask a cluster admin to allow this toleration (policy allowedTolerations)"
             ),
+            Refusal::NodeSelector { key, value } => write!(
+                f,
+                "spec.placement.nodeSelector[{key:?}] = {value:?} selects on the node label {key}, which the operator's policy reserves (reservedNodeLabels); remove it, or ask a cluster admin to allow this selector (policy allowedNodeSelectors)"
+            ),
             Refusal::InitContainer { namespace } => write!(
                 f,
                 "spec.sysctls.mode: InitContainer (a privileged init container) is not allowed in namespace {namespace} by the operator's policy (initContainerNamespaces); set spec.sysctls.mode: PodSecurityContext (kubelet-safe sysctls in the pod, no privileged container) or None, or ask a cluster admin to allow the namespace"
@@ -203,6 +277,33 @@ fn lists(namespaces: &[String], namespace: &str) -> bool {
     namespaces
         .iter()
         .any(|n| n == ALL_NAMESPACES || n == namespace)
+}
+
+/// Two namespace lists name a namespace in common (`*` names them all).
+fn overlap(a: &[String], b: &[String]) -> bool {
+    a.iter().any(|n| n == ALL_NAMESPACES || lists(b, n))
+}
+
+/// A Prometheus label name (`[a-zA-Z_][a-zA-Z0-9_]*`).
+fn is_prometheus_label(s: &str) -> bool {
+    let mut bytes = s.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Checks a namespace list; errors name `field`.
+fn check_namespaces(field: &str, namespaces: &[String]) -> Result<(), PolicyError> {
+    match namespaces
+        .iter()
+        .find(|ns| *ns != ALL_NAMESPACES && !is_label(ns))
+    {
+        Some(ns) => Err(PolicyError(format!(
+            "{field}: {ns:?} is neither a namespace name nor \"*\""
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// A DNS-1123 label (a namespace name).
@@ -297,6 +398,73 @@ impl Policy {
                 }
             }
         }
+        for key in &self.reserved_node_labels {
+            if key.is_empty() || key.len() > 317 || key.chars().any(char::is_whitespace) {
+                return bad(format!(
+                    "policy.reservedNodeLabels: {key:?} is neither a node label key nor \"*\""
+                ));
+            }
+        }
+        for (i, a) in self.allowed_node_selectors.iter().enumerate() {
+            let field = format!("policy.allowedNodeSelectors[{i}]");
+            if a.key.is_empty()
+                || a.key == EVERY_LABEL
+                || a.key.len() > 317
+                || a.key.chars().any(char::is_whitespace)
+            {
+                return bad(format!(
+                    "{field}.key must be a node label key, got {:?}",
+                    a.key
+                ));
+            }
+            if a.value.len() > 63 || a.value.chars().any(char::is_whitespace) {
+                return bad(format!(
+                    "{field}.value must be a label value (at most 63 characters) or \"*\", got {:?}",
+                    a.value
+                ));
+            }
+            check_namespaces(&format!("{field}.namespaces"), &a.namespaces)?;
+        }
+        for (i, q) in self.query_matchers.iter().enumerate() {
+            let field = format!("policy.queryMatchers[{i}]");
+            check_namespaces(&format!("{field}.namespaces"), &q.namespaces)?;
+            if q.matchers.is_empty() {
+                return bad(format!("{field}.matchers must name at least one label"));
+            }
+            for (label, value) in &q.matchers {
+                if !is_prometheus_label(label) || label.starts_with("__") {
+                    return bad(format!(
+                        "{field}.matchers: {label:?} is not a Prometheus label name (letters, digits and _, not starting with a digit or __)"
+                    ));
+                }
+                if CONFINED_LABELS.contains(&label.as_str()) {
+                    return bad(format!(
+                        "{field}.matchers: {label:?} is set by the operator for every query (namespace and fleet); it cannot be set by the policy"
+                    ));
+                }
+                if value.is_empty() {
+                    return bad(format!(
+                        "{field}.matchers.{label} must not be empty (an empty value would match only series without the label)"
+                    ));
+                }
+            }
+            // Two entries that apply to one namespace must agree, else that
+            // namespace's queries could match nothing.
+            for (j, other) in self.query_matchers[..i].iter().enumerate() {
+                if !overlap(&q.namespaces, &other.namespaces) {
+                    continue;
+                }
+                for (label, value) in &q.matchers {
+                    if let Some(theirs) = other.matchers.get(label)
+                        && theirs != value
+                    {
+                        return bad(format!(
+                            "{field}.matchers.{label} is {value:?} but policy.queryMatchers[{j}] sets it to {theirs:?} for a namespace both list"
+                        ));
+                    }
+                }
+            }
+        }
         let grace = self.max_termination_grace_period_seconds;
         if grace < MIN_TERMINATION_GRACE_SECONDS {
             return bad(format!(
@@ -351,15 +519,43 @@ impl Policy {
         })
     }
 
+    /// Whether the admin allows a fleet in `namespace` to select nodes
+    /// whose label `key` is `value`: the key is not reserved, or an entry of
+    /// [`Policy::allowed_node_selectors`] with the key and the value (or
+    /// `*`) lists the namespace.
+    pub fn allows_node_selector(&self, namespace: &str, key: &str, value: &str) -> bool {
+        let reserved = self
+            .reserved_node_labels
+            .iter()
+            .any(|k| k == EVERY_LABEL || k == key);
+        !reserved
+            || self.allowed_node_selectors.iter().any(|a| {
+                a.key == key
+                    && (a.value == ANY_VALUE || a.value == value)
+                    && lists(&a.namespaces, namespace)
+            })
+    }
+
+    /// The label matchers every query of a fleet in `namespace` is
+    /// confined to besides `namespace` and `fleet`: those of every
+    /// [`Policy::query_matchers`] entry listing it (validation keeps them
+    /// from disagreeing), sorted by label.
+    pub fn query_matchers(&self, namespace: &str) -> Vec<(String, String)> {
+        matchers_for(&self.query_matchers, namespace)
+    }
+
     /// Checks a fleet in `namespace` against the policy: its tolerations,
-    /// and whether it asks for the privileged init container
-    /// (`init_container`: its `sysctls.mode` is `InitContainer`). The
-    /// first refusal, naming the field.
+    /// its node selector, and whether it asks for the privileged init
+    /// container (`init_container`: its `sysctls.mode` is `InitContainer`).
+    /// The first refusal, naming the field. An empty node selector needs no
+    /// permission: it narrows nothing (keeping fleets off nodes is the
+    /// reserved taints' job).
     pub fn check_fleet(
         &self,
         namespace: &str,
         init_container: bool,
         tolerations: &[Toleration],
+        node_selector: &BTreeMap<String, String>,
     ) -> Result<(), Refusal> {
         for (index, t) in tolerations.iter().enumerate() {
             if let Some(taint) = self.reserved_taint_tolerated(t)
@@ -372,6 +568,14 @@ impl Policy {
                 });
             }
         }
+        for (key, value) in node_selector {
+            if !self.allows_node_selector(namespace, key, value) {
+                return Err(Refusal::NodeSelector {
+                    key: key.clone(),
+                    value: value.clone(),
+                });
+            }
+        }
         if init_container && !self.allows_init_container(namespace) {
             return Err(Refusal::InitContainer {
                 namespace: namespace.to_string(),
@@ -379,6 +583,16 @@ impl Policy {
         }
         Ok(())
     }
+}
+
+/// The label matchers of `entries` that apply to `namespace`, sorted by
+/// label (for a reader holding only the policy's `queryMatchers`).
+pub fn matchers_for(entries: &[QueryMatchers], namespace: &str) -> Vec<(String, String)> {
+    let mut all = BTreeMap::new();
+    for q in entries.iter().filter(|q| lists(&q.namespaces, namespace)) {
+        all.extend(q.matchers.iter().map(|(l, v)| (l.clone(), v.clone())));
+    }
+    all.into_iter().collect()
 }
 
 #[cfg(test)]
@@ -397,6 +611,9 @@ mod tests {
         assert_eq!(p.init_container_namespaces, ["*"]);
         assert_eq!(p.reserved_taints, CONTROL_PLANE_TAINTS);
         assert!(p.allowed_tolerations.is_empty());
+        assert!(p.reserved_node_labels.is_empty() && p.allowed_node_selectors.is_empty());
+        assert!(p.query_matchers.is_empty());
+        assert!(p.conntrack);
         let c = p.sysctl_ceilings;
         assert_eq!(
             (c.nr_open, c.file_max, c.tcp_mem_pages, c.nf_conntrack_max),
@@ -484,6 +701,69 @@ allowedTolerations:
                 "allowedTolerations: [{key: a, namespaces: ['*x']}]\n",
                 "policy.allowedTolerations[0].namespaces",
             ),
+            ("reservedNodeLabels: ['']\n", "policy.reservedNodeLabels"),
+            ("reservedNodeLabels: ['a b']\n", "policy.reservedNodeLabels"),
+            (
+                "allowedNodeSelectors: [{key: pool}]\n",
+                "missing field `value`",
+            ),
+            (
+                "allowedNodeSelectors: [{key: '*', value: '*'}]\n",
+                "policy.allowedNodeSelectors[0].key",
+            ),
+            (
+                "allowedNodeSelectors: [{key: pool, value: 'a b'}]\n",
+                "policy.allowedNodeSelectors[0].value",
+            ),
+            (
+                "allowedNodeSelectors: [{key: pool, value: a, namespaces: [Team]}]\n",
+                "policy.allowedNodeSelectors[0].namespaces",
+            ),
+            (
+                "allowedNodeSelectors: [{key: pool, value: a, operator: In}]\n",
+                "operator",
+            ),
+            (
+                "queryMatchers: [{namespaces: [a]}]\n",
+                "missing field `matchers`",
+            ),
+            (
+                "queryMatchers: [{matchers: {}}]\n",
+                "policy.queryMatchers[0].matchers must name",
+            ),
+            (
+                "queryMatchers: [{matchers: {namespace: other}}]\n",
+                "policy.queryMatchers[0].matchers: \"namespace\"",
+            ),
+            (
+                "queryMatchers: [{matchers: {fleet: other}}]\n",
+                "policy.queryMatchers[0].matchers: \"fleet\"",
+            ),
+            (
+                "queryMatchers: [{matchers: {__name__: up}}]\n",
+                "policy.queryMatchers[0].matchers: \"__name__\"",
+            ),
+            (
+                "queryMatchers: [{matchers: {0cluster: a}}]\n",
+                "policy.queryMatchers[0].matchers: \"0cluster\"",
+            ),
+            (
+                "queryMatchers: [{matchers: {cluster: ''}}]\n",
+                "policy.queryMatchers[0].matchers.cluster must not be empty",
+            ),
+            (
+                "queryMatchers: [{namespaces: ['*x'], matchers: {cluster: a}}]\n",
+                "policy.queryMatchers[0].namespaces",
+            ),
+            (
+                "queryMatchers: [{namespaces: [a, b], matchers: {cluster: eu}}, {namespaces: [b], matchers: {cluster: us}}]\n",
+                "policy.queryMatchers[1].matchers.cluster is \"us\" but policy.queryMatchers[0]",
+            ),
+            (
+                "queryMatchers: [{namespaces: [a], matchers: {cluster: eu}}, {matchers: {cluster: us}}]\n",
+                "policy.queryMatchers[1].matchers.cluster",
+            ),
+            ("conntrack: maybe\n", "conntrack"),
         ] {
             let err = Policy::from_yaml(yaml).unwrap_err().to_string();
             assert!(err.contains(field), "{yaml:?}: {err}");
@@ -524,7 +804,9 @@ allowedTolerations:
                 toleration(serde_json::json!({"key": "dedicated", "value": "edge"})),
                 toleration(t.clone()),
             ];
-            let err = p.check_fleet("team-a", false, &tolerations).unwrap_err();
+            let err = p
+                .check_fleet("team-a", false, &tolerations, &BTreeMap::new())
+                .unwrap_err();
             let Refusal::Toleration {
                 index, ref taint, ..
             } = err
@@ -546,10 +828,11 @@ allowedTolerations:
             serde_json::json!({"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}),
             serde_json::json!({"key": "node-role.kubernetes.io/control-plane-ish", "operator": "Exists"}),
         ] {
-            p.check_fleet("team-a", false, &[toleration(t.clone())])
+            p.check_fleet("team-a", false, &[toleration(t.clone())], &BTreeMap::new())
                 .unwrap_or_else(|e| panic!("{t}: {e}"));
         }
-        p.check_fleet("team-a", true, &[]).unwrap();
+        p.check_fleet("team-a", true, &[], &BTreeMap::new())
+            .unwrap();
     }
 
     #[test]
@@ -566,32 +849,35 @@ allowedTolerations:
         let cp = toleration(
             serde_json::json!({"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"}),
         );
-        p.check_fleet("infra", false, std::slice::from_ref(&cp))
+        p.check_fleet("infra", false, std::slice::from_ref(&cp), &BTreeMap::new())
             .unwrap();
         assert!(
-            p.check_fleet("team-a", false, std::slice::from_ref(&cp))
+            p.check_fleet("team-a", false, std::slice::from_ref(&cp), &BTreeMap::new())
                 .is_err(),
             "other namespaces"
         );
         let mut wider = cp.clone();
         wider.effect = None;
         assert!(
-            p.check_fleet("infra", false, &[wider]).is_err(),
+            p.check_fleet("infra", false, &[wider], &BTreeMap::new())
+                .is_err(),
             "not as listed: every effect"
         );
         let any = toleration(serde_json::json!({"operator": "Exists"}));
         assert!(
-            p.check_fleet("infra", false, &[any]).is_err(),
+            p.check_fleet("infra", false, &[any], &BTreeMap::new())
+                .is_err(),
             "a key-less Exists reaches every reserved taint"
         );
         // Operator Equal is the default on both sides.
         let edge = toleration(
             serde_json::json!({"key": "dedicated", "operator": "Equal", "value": "edge"}),
         );
-        p.check_fleet("team-b", false, &[edge]).unwrap();
+        p.check_fleet("team-b", false, &[edge], &BTreeMap::new())
+            .unwrap();
         let other = toleration(serde_json::json!({"key": "dedicated", "value": "batch"}));
         let err = p
-            .check_fleet("team-b", false, &[other])
+            .check_fleet("team-b", false, &[other], &BTreeMap::new())
             .unwrap_err()
             .to_string();
         assert!(err.contains("tolerates the taint dedicated"), "{err}");
@@ -599,7 +885,8 @@ allowedTolerations:
         let master = toleration(
             serde_json::json!({"key": "node-role.kubernetes.io/master", "operator": "Exists"}),
         );
-        p.check_fleet("team-b", false, &[master]).unwrap();
+        p.check_fleet("team-b", false, &[master], &BTreeMap::new())
+            .unwrap();
     }
 
     #[test]
@@ -607,8 +894,11 @@ allowedTolerations:
         let p = Policy::from_yaml("initContainerNamespaces: [edge]\n").unwrap();
         assert!(p.allows_init_container("edge"));
         assert!(!p.allows_init_container("team-a"));
-        p.check_fleet("team-a", false, &[]).unwrap();
-        let err = p.check_fleet("team-a", true, &[]).unwrap_err();
+        p.check_fleet("team-a", false, &[], &BTreeMap::new())
+            .unwrap();
+        let err = p
+            .check_fleet("team-a", true, &[], &BTreeMap::new())
+            .unwrap_err();
         assert_eq!(
             err,
             Refusal::InitContainer {
@@ -653,10 +943,164 @@ allowedTolerations:
                 "initContainerNamespaces",
                 "reservedTaints",
                 "allowedTolerations",
+                "reservedNodeLabels",
+                "allowedNodeSelectors",
                 "maxTerminationGracePeriodSeconds",
-                "sysctlCeilings"
+                "sysctlCeilings",
+                "queryMatchers",
+                "conntrack"
             ],
             "every field spelled out in the chart"
         );
+    }
+
+    #[test]
+    fn node_selectors_are_the_tenants_unless_a_label_is_reserved() {
+        let none = BTreeMap::new();
+        let select = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // The default reserves nothing: any selector, any namespace.
+        let p = Policy::default();
+        p.check_fleet(
+            "team-a",
+            false,
+            &[],
+            &select(&[("kubernetes.io/hostname", "node-1"), ("pool", "gpu")]),
+        )
+        .unwrap();
+
+        let p = Policy::from_yaml(
+            r#"
+reservedNodeLabels: [kubernetes.io/hostname, c10m.dev/pool]
+allowedNodeSelectors:
+  - {key: c10m.dev/pool, value: edge}
+  - {key: c10m.dev/pool, value: payments, namespaces: [payments]}
+  - {key: kubernetes.io/hostname, value: "*", namespaces: [infra]}
+"#,
+        )
+        .unwrap();
+        // An empty selector needs no permission.
+        p.check_fleet("team-a", false, &[], &none).unwrap();
+        // Unreserved keys are the tenant's.
+        p.check_fleet("team-a", false, &[], &select(&[("zone", "a")]))
+            .unwrap();
+        // Allowed as listed: every namespace for edge, one for payments.
+        p.check_fleet("team-a", false, &[], &select(&[("c10m.dev/pool", "edge")]))
+            .unwrap();
+        p.check_fleet(
+            "payments",
+            false,
+            &[],
+            &select(&[("c10m.dev/pool", "payments")]),
+        )
+        .unwrap();
+        let err = p
+            .check_fleet(
+                "team-a",
+                false,
+                &[],
+                &select(&[("c10m.dev/pool", "payments"), ("zone", "a")]),
+            )
+            .unwrap_err();
+        assert_eq!(
+            err,
+            Refusal::NodeSelector {
+                key: "c10m.dev/pool".into(),
+                value: "payments".into()
+            }
+        );
+        let message = err.to_string();
+        assert_eq!(
+            message,
+            r#"spec.placement.nodeSelector["c10m.dev/pool"] = "payments" selects on the node label c10m.dev/pool, which the operator's policy reserves (reservedNodeLabels); remove it, or ask a cluster admin to allow this selector (policy allowedNodeSelectors)"#
+        );
+        // "*" is any value, in its namespaces only.
+        p.check_fleet(
+            "infra",
+            false,
+            &[],
+            &select(&[("kubernetes.io/hostname", "node-7")]),
+        )
+        .unwrap();
+        assert!(
+            p.check_fleet(
+                "team-a",
+                false,
+                &[],
+                &select(&[("kubernetes.io/hostname", "node-7")])
+            )
+            .is_err()
+        );
+        // Tolerations are checked first, the init container last.
+        let any = toleration(serde_json::json!({"operator": "Exists"}));
+        let pinned = select(&[("kubernetes.io/hostname", "node-7")]);
+        assert!(matches!(
+            p.check_fleet("team-a", true, &[any], &pinned),
+            Err(Refusal::Toleration { .. })
+        ));
+        let closed = Policy {
+            init_container_namespaces: vec![],
+            ..p.clone()
+        };
+        assert!(matches!(
+            closed.check_fleet("team-a", true, &[], &pinned),
+            Err(Refusal::NodeSelector { .. })
+        ));
+    }
+
+    #[test]
+    fn every_label_reserved_leaves_only_the_allowed_selectors() {
+        let p = Policy::from_yaml(
+            "reservedNodeLabels: ['*']\nallowedNodeSelectors: [{key: c10m.dev/pool, value: edge}]\n",
+        )
+        .unwrap();
+        assert!(p.allows_node_selector("team-a", "c10m.dev/pool", "edge"));
+        assert!(!p.allows_node_selector("team-a", "c10m.dev/pool", "gpu"));
+        assert!(!p.allows_node_selector("team-a", "zone", "a"));
+        p.check_fleet("team-a", false, &[], &BTreeMap::new())
+            .unwrap();
+    }
+
+    #[test]
+    fn query_matchers_apply_to_their_namespaces() {
+        let p = Policy::from_yaml(
+            r#"
+queryMatchers:
+  - {matchers: {cluster: eu-1}}
+  - {namespaces: [team-a], matchers: {tenant: a, cluster: eu-1}}
+  - {namespaces: [team-b], matchers: {tenant: b}}
+"#,
+        )
+        .unwrap();
+        let pairs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(l, v)| (l.to_string(), v.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            p.query_matchers("team-a"),
+            pairs(&[("cluster", "eu-1"), ("tenant", "a")])
+        );
+        assert_eq!(
+            p.query_matchers("team-b"),
+            pairs(&[("cluster", "eu-1"), ("tenant", "b")])
+        );
+        assert_eq!(p.query_matchers("team-c"), pairs(&[("cluster", "eu-1")]));
+        assert!(Policy::default().query_matchers("team-a").is_empty());
+        // Entries for disjoint namespaces may disagree.
+        Policy::from_yaml(
+            "queryMatchers: [{namespaces: [a], matchers: {cluster: eu}}, {namespaces: [b], matchers: {cluster: us}}]\n",
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn conntrack_is_on_unless_the_admin_says_off() {
+        assert!(Policy::default().conntrack);
+        assert!(!Policy::from_yaml("conntrack: false\n").unwrap().conntrack);
     }
 }

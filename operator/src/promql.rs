@@ -2,7 +2,8 @@
 //! prom-label-proxy enforces a label: every vector and matrix selector of a
 //! query, in every subquery, function argument, binary operand and `or`
 //! group, gets the enforced label matchers (`namespace="<fleet namespace>"`,
-//! `fleet="<fleet>"`). A query that already pins one of those labels to the
+//! `fleet="<fleet>"`, and those the admin's policy adds for the namespace,
+//! `queryMatchers`). A query that already pins one of those labels to the
 //! same value keeps it; any other matcher on an enforced label (another
 //! value, `!=`, a regex) is refused rather than rewritten, so a query never
 //! silently means something else. Parsing is `promql-parser`'s.
@@ -29,17 +30,60 @@ pub enum ConfineError {
         /// Its enforced value.
         value: String,
     },
+    /// A selector matches a label the admin's policy confines the
+    /// namespace's queries to (`queryMatchers`) other than by equality with
+    /// its value.
+    #[error(
+        "selector {selector} sets label {label:?} to something other than {value:?}; the operator's policy (queryMatchers) confines this namespace's queries to {label}={value:?}"
+    )]
+    Policy {
+        /// The selector, as PromQL.
+        selector: String,
+        /// The policy's label.
+        label: String,
+        /// Its value.
+        value: String,
+    },
 }
+
+/// The labels every query is confined to by the fleet it belongs to.
+const FLEET_LABELS: [&str; 2] = ["namespace", "fleet"];
 
 /// A query template of `spec.metrics` for fleet `fleet` in `namespace`:
 /// `{namespace}` and `{fleet}` substituted (both are DNS labels, so no
-/// quoting is needed), then [`confine`]d to the fleet's own series
-/// (labels `namespace` and `fleet`, as the scrape config sets them).
-pub fn render(template: &str, namespace: &str, fleet: &str) -> Result<String, ConfineError> {
+/// quoting is needed), then [`confine`]d to the fleet's own series (labels
+/// `namespace` and `fleet`, as the scrape config sets them) and to the
+/// admin's `policy` matchers for the namespace (label, value; the policy
+/// never sets `namespace` or `fleet`). A conflict with a policy matcher is
+/// [`ConfineError::Policy`].
+pub fn render(
+    template: &str,
+    namespace: &str,
+    fleet: &str,
+    policy: &[(String, String)],
+) -> Result<String, ConfineError> {
     let query = template
         .replace("{namespace}", namespace)
         .replace("{fleet}", fleet);
-    confine(&query, &[("namespace", namespace), ("fleet", fleet)])
+    let mut enforced = vec![(FLEET_LABELS[0], namespace), (FLEET_LABELS[1], fleet)];
+    enforced.extend(
+        policy
+            .iter()
+            .filter(|(label, _)| !FLEET_LABELS.contains(&label.as_str()))
+            .map(|(l, v)| (l.as_str(), v.as_str())),
+    );
+    confine(&query, &enforced).map_err(|e| match e {
+        ConfineError::Conflict {
+            selector,
+            label,
+            value,
+        } if !FLEET_LABELS.contains(&label.as_str()) => ConfineError::Policy {
+            selector,
+            label,
+            value,
+        },
+        e => e,
+    })
 }
 
 /// `query` with every selector confined to the `enforced` (label, value)
@@ -119,9 +163,13 @@ mod tests {
     /// Every selector in the confined query carries both enforced matchers:
     /// checked on the re-parsed result, not on the text.
     fn assert_confined(q: &str) {
-        let out = ok(q);
-        let mut e = parser::parse(&out).unwrap();
-        fn check(e: &mut Expr, out: &str) {
+        assert_confined_to(&ok(q), MINE);
+    }
+
+    /// Every selector in the PromQL `out` carries every `enforced` matcher.
+    fn assert_confined_to(out: &str, enforced: &[(&str, &str)]) {
+        let mut e = parser::parse(out).unwrap();
+        fn check(e: &mut Expr, out: &str, enforced: &[(&str, &str)]) {
             let seen = |vs: &VectorSelector| {
                 let groups: Vec<&Vec<Matcher>> = if vs.matchers.or_matchers.is_empty() {
                     vec![&vs.matchers.matchers]
@@ -129,7 +177,7 @@ mod tests {
                     vs.matchers.or_matchers.iter().collect()
                 };
                 for g in groups {
-                    for (l, v) in MINE {
+                    for (l, v) in enforced {
                         assert!(
                             g.iter().any(|m| m.name == *l
                                 && m.value == *v
@@ -143,23 +191,23 @@ mod tests {
                 Expr::VectorSelector(vs) => seen(vs),
                 Expr::MatrixSelector(ms) => seen(&ms.vs),
                 Expr::Aggregate(a) => {
-                    check(&mut a.expr, out);
+                    check(&mut a.expr, out, enforced);
                     if let Some(p) = a.param.as_mut() {
-                        check(p, out);
+                        check(p, out, enforced);
                     }
                 }
-                Expr::Unary(u) => check(&mut u.expr, out),
+                Expr::Unary(u) => check(&mut u.expr, out, enforced),
                 Expr::Binary(b) => {
-                    check(&mut b.lhs, out);
-                    check(&mut b.rhs, out);
+                    check(&mut b.lhs, out, enforced);
+                    check(&mut b.rhs, out, enforced);
                 }
-                Expr::Paren(p) => check(&mut p.expr, out),
-                Expr::Subquery(s) => check(&mut s.expr, out),
-                Expr::Call(c) => c.args.args.iter_mut().for_each(|a| check(a, out)),
+                Expr::Paren(p) => check(&mut p.expr, out, enforced),
+                Expr::Subquery(s) => check(&mut s.expr, out, enforced),
+                Expr::Call(c) => c.args.args.iter_mut().for_each(|a| check(a, out, enforced)),
                 _ => {}
             }
         }
-        check(&mut e, &out);
+        check(&mut e, out, enforced);
     }
 
     #[test]
@@ -222,12 +270,81 @@ mod tests {
             render(
                 r#"sum by (pod) (c10m_connections{namespace="{namespace}",fleet="{fleet}"})"#,
                 "team-a",
-                "edge"
+                "edge",
+                &[]
             )
             .unwrap(),
             r#"sum by (pod) (c10m_connections{fleet="edge",namespace="team-a"})"#
         );
-        assert!(render(r#"x{namespace="team-b"}"#, "team-a", "edge").is_err());
+        assert!(render(r#"x{namespace="team-b"}"#, "team-a", "edge", &[]).is_err());
+    }
+
+    /// The policy's matchers for the namespace (`queryMatchers`).
+    fn eu() -> Vec<(String, String)> {
+        vec![
+            ("cluster".into(), "eu-1".into()),
+            ("tenant".into(), "a".into()),
+        ]
+    }
+
+    const MINE_IN_EU: &[(&str, &str)] = &[
+        ("namespace", "team-a"),
+        ("fleet", "edge"),
+        ("cluster", "eu-1"),
+        ("tenant", "a"),
+    ];
+
+    #[test]
+    fn policy_matchers_reach_every_selector() {
+        assert_eq!(
+            render("c10m_connections", "team-a", "edge", &eu()).unwrap(),
+            r#"c10m_connections{cluster="eu-1",fleet="edge",namespace="team-a",tenant="a"}"#
+        );
+        for q in [
+            r#"sum by (pod) (c10m_connections{namespace="{namespace}",fleet="{fleet}"})"#,
+            // Already pinned to the policy's value: kept.
+            r#"c10m_connections{cluster="eu-1"}"#,
+            // or groups, in a selector and between vectors.
+            r#"c10m_connections{pod="a" or pod="b"}"#,
+            r#"c10m_connections or other_tenant_metric"#,
+            // Vector matching, subqueries, offsets.
+            r#"a * on (pod) group_left b"#,
+            r#"max_over_time(rate(c10m_connections_accepted_total[1m])[10m:30s] offset 5m)"#,
+            // Function arguments: label_replace cannot rename its way out.
+            r#"label_replace(up, "cluster", "us-2", "", "")"#,
+            r#"topk(3, sum by (pod) (c10m_connections))"#,
+            r#"absent({__name__=~"c10m_.*"})"#,
+        ] {
+            let out = render(q, "team-a", "edge", &eu()).unwrap_or_else(|e| panic!("{q}: {e}"));
+            assert_confined_to(&out, MINE_IN_EU);
+        }
+    }
+
+    #[test]
+    fn a_query_contradicting_the_policy_is_refused_naming_it() {
+        for q in [
+            r#"c10m_connections{cluster="us-2"}"#,
+            r#"c10m_connections{cluster!="eu-1"}"#,
+            r#"c10m_connections{cluster=~"eu-1|us-2"}"#,
+            r#"c10m_connections{cluster="eu-1" or cluster="us-2"}"#,
+            r#"sum(a) or b{tenant="b"}"#,
+            r#"rate(x{cluster="us-2"}[5m])"#,
+            r#"max_over_time(x{tenant=~".+"}[10m:1m])"#,
+            r#"label_replace(x{cluster="us-2"}, "cluster", "eu-1", "", "")"#,
+        ] {
+            let err = render(q, "team-a", "edge", &eu()).unwrap_err();
+            assert!(matches!(err, ConfineError::Policy { .. }), "{q}: {err:?}");
+            let message = err.to_string();
+            assert!(
+                message.contains("the operator's policy (queryMatchers)"),
+                "{message}"
+            );
+        }
+        // The fleet's own labels are still the fleet's conflict.
+        let err = render(r#"x{namespace="team-b"}"#, "team-a", "edge", &eu()).unwrap_err();
+        assert!(matches!(err, ConfineError::Conflict { .. }), "{err:?}");
+        // Without policy matchers, the label is the tenant's.
+        render(r#"x{cluster="us-2"}"#, "team-a", "edge", &[]).unwrap();
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub enum Reason {
     // --- the admin's policy ---
     /// A toleration reaches a taint the operator's policy reserves.
     TolerationNotAllowed,
+    /// A node selector entry selects on a node label the policy reserves.
+    NodeSelectorNotAllowed,
     /// `sysctls.mode: InitContainer` in a namespace the policy does not allow.
     SysctlModeNotAllowed,
     /// A shard's drain cannot finish within the policy's bound on the grace period.
@@ -123,7 +125,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 37] = [
+    pub const ALL: [Reason; 38] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -131,6 +133,7 @@ impl Reason {
         Reason::AsPlanned,
         Reason::PlanChanged,
         Reason::TolerationNotAllowed,
+        Reason::NodeSelectorNotAllowed,
         Reason::SysctlModeNotAllowed,
         Reason::DrainCannotFinish,
         Reason::CappedByPolicy,
@@ -178,6 +181,7 @@ impl Reason {
             Reason::AsPlanned => "AsPlanned",
             Reason::PlanChanged => "PlanChanged",
             Reason::TolerationNotAllowed => "TolerationNotAllowed",
+            Reason::NodeSelectorNotAllowed => "NodeSelectorNotAllowed",
             Reason::SysctlModeNotAllowed => "SysctlModeNotAllowed",
             Reason::DrainCannotFinish => "DrainCannotFinish",
             Reason::CappedByPolicy => "CappedByPolicy",

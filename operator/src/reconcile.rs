@@ -247,8 +247,12 @@ impl Context {
         }
     }
 
-    /// This context under the admin's `policy`.
+    /// This context under the admin's `policy` (its Prometheus reader
+    /// confined by the policy's `queryMatchers` too).
     pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.prometheus = self
+            .prometheus
+            .map(|r| r.confined_by(&policy.query_matchers));
         self.policy = policy;
         self
     }
@@ -393,9 +397,12 @@ fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ende
 }
 
 /// The plan step: a plan under the admin's `policy`, or the rejection
-/// naming what to change. What the policy refuses (a reserved toleration,
-/// the privileged init container in a namespace it does not allow) is
-/// refused before anything is planned or applied.
+/// naming what to change. What the policy refuses (a reserved toleration, a
+/// node selector on a reserved label, the privileged init container in a
+/// namespace it does not allow) is refused before anything is planned or
+/// applied. The plan is a cluster's: `spec.node`'s per-connection kernel
+/// claims only where the policy can trust them
+/// ([`plan::capacity::plan_in_cluster`]).
 #[allow(clippy::result_large_err)]
 fn plan_fleet(
     fleet: &ConnectionFleet,
@@ -413,18 +420,20 @@ fn plan_fleet(
             &ns,
             spec.sysctls.mode == SysctlMode::InitContainer,
             &spec.placement.tolerations,
+            &spec.placement.node_selector,
         )
         .map_err(|refusal| Ended::Rejected {
             reason: match refusal {
                 Refusal::Toleration { .. } => Reason::TolerationNotAllowed,
+                Refusal::NodeSelector { .. } => Reason::NodeSelectorNotAllowed,
                 Refusal::InitContainer { .. } => Reason::SysctlModeNotAllowed,
             },
             message: refusal.to_string(),
         })?;
     let node = node.map_err(|e| rejected(Reason::NoNodeProfile, e))?;
-    plan::validate::queries(spec, &ns, &fleet.name_any())
+    plan::validate::queries(spec, &ns, &fleet.name_any(), &policy.query_matchers(&ns))
         .map_err(|e| rejected(Reason::InvalidSpec, e))?;
-    plan::capacity::plan_sourced(spec, node, policy).map_err(|e| match e {
+    plan::capacity::plan_in_cluster(spec, node, policy).map_err(|e| match e {
         PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
         PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),
     })
@@ -479,4 +488,82 @@ pub fn error_policy(fleet: Arc<ConnectionFleet>, error: &Error, ctx: Arc<Context
     let wait = error.retry_after(n);
     warn!(fleet = %fleet.name_any(), error = %error, step = error.metric_label(), failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
     Action::requeue(wait)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::status::ClaimSource;
+
+    fn fleet(spec: serde_json::Value) -> ConnectionFleet {
+        let mut f = ConnectionFleet::new("edge", serde_json::from_value(spec).unwrap());
+        f.metadata.namespace = Some("team-a".into());
+        f
+    }
+
+    /// The plan step under `policy`, on `spec.node` as the only node.
+    #[allow(clippy::result_large_err)]
+    fn plan_step(f: &ConnectionFleet, policy: &Policy) -> Result<Plan, Ended> {
+        plan_fleet(f, plan::nodes::resolve_sourced(&f.spec, None), policy)
+    }
+
+    fn rejected(r: Result<Plan, Ended>) -> (Reason, String) {
+        match r {
+            Err(Ended::Rejected { reason, message }) => (reason, message),
+            Ok(_) => panic!("planned"),
+            Err(_) => panic!("not a rejection"),
+        }
+    }
+
+    /// The policy's node selectors, query matchers and kernel claims reach
+    /// the plan step: a refusal with its reason, naming the field.
+    #[test]
+    fn the_plan_step_applies_the_whole_policy() {
+        let policy = Policy::from_yaml(
+            "reservedNodeLabels: [kubernetes.io/hostname]\nqueryMatchers: [{namespaces: [team-a], matchers: {cluster: eu-1}}]\n",
+        )
+        .unwrap();
+        let node = serde_json::json!({"memory": "8Gi", "cpus": 4, "kernelBytesPerSocket": 0, "conntrack": false});
+        let (reason, message) = rejected(plan_step(
+            &fleet(
+                serde_json::json!({"connections": 1000, "shard": {"cpus": 2}, "node": node,
+                "placement": {"nodeSelector": {"kubernetes.io/hostname": "n1"}}}),
+            ),
+            &policy,
+        ));
+        assert_eq!(reason, Reason::NodeSelectorNotAllowed);
+        assert!(
+            message.starts_with(r#"spec.placement.nodeSelector["kubernetes.io/hostname"]"#),
+            "{message}"
+        );
+        let (reason, message) = rejected(plan_step(
+            &fleet(
+                serde_json::json!({"connections": 1000, "shard": {"cpus": 2}, "node": node,
+                "metrics": {"upQuery": "up{cluster=\"us-2\"}"}}),
+            ),
+            &policy,
+        ));
+        assert_eq!(reason, Reason::InvalidSpec);
+        assert!(
+            message.starts_with("spec.metrics.upQuery: ") && message.contains("queryMatchers"),
+            "{message}"
+        );
+        // Admitted: planned as a cluster's plan, the cheap claims not used.
+        let plan = plan_step(
+            &fleet(
+                serde_json::json!({"connections": 1000, "shard": {"cpus": 2}, "node": node,
+                "placement": {"nodeSelector": {"c10m.dev/pool": "edge"}}}),
+            ),
+            &policy,
+        )
+        .unwrap_or_else(|_| panic!("refused"));
+        let source = plan.node_source.unwrap();
+        assert_eq!(
+            (source.kernel_bytes_per_socket, source.conntrack),
+            (
+                Some(ClaimSource::SpecNotTrusted),
+                Some(ClaimSource::SpecNotTrusted)
+            )
+        );
+    }
 }

@@ -167,7 +167,9 @@ pub struct Plan {
     /// `ClusterBelowSpec` (the nodes'; `spec.node` claims more and is not
     /// used), `SpecBelowCluster` (`spec.node`'s, smaller than the nodes'),
     /// `Spec` (`spec.node`'s as given: offline, or no matching node reports
-    /// allocatable), `Default` (pods only: kubelet's 110).
+    /// allocatable), `Default` (pods only: kubelet's 110). In a cluster,
+    /// `kernelBytesPerSocket` and `conntrack` say whether `spec.node`'s
+    /// claims of those were used.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -184,8 +186,10 @@ pub struct Plan {
 }
 
 /// Where each size of the plan's node profile came from
-/// (`status.plan.nodeSource`).
+/// (`status.plan.nodeSource`), and, in a cluster, whether `spec.node`'s
+/// per-connection kernel claims were used.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
 pub struct NodeSource {
     /// Where `nodeMemoryBytes` came from (`spec.node.memory`, node allocatable `memory`).
     pub memory: NodeValueSource,
@@ -193,6 +197,44 @@ pub struct NodeSource {
     pub cpus: NodeValueSource,
     /// Where `nodePods` came from (`spec.node.pods`, node allocatable `pods`).
     pub pods: NodeValueSource,
+    /// In a cluster, whether `spec.node.kernelBytesPerSocket` was used
+    /// (absent: not set, or offline, where it is used as given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_bytes_per_socket: Option<ClaimSource>,
+    /// In a cluster, whether `spec.node.conntrack` was used (absent: not
+    /// set, or offline, where it is used as given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<ClaimSource>,
+}
+
+/// Whether a plan in a cluster used this per-connection kernel claim of
+/// `spec.node` (absent: not claimed, or offline, where it is used as
+/// given): `Spec` (used: `kernelBytesPerSocket` at least the measured
+/// 3,965 B; `conntrack: true`, or `false` under a policy saying the nodes
+/// track no connections), `SpecNotTrusted` (not used: it would make a
+/// connection cheaper than the operator can check, and so pack more
+/// connections on a node, and raise its limits less, than they need; the
+/// plan counts the measured default).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimSource {
+    /// `spec.node`'s value: `kernelBytesPerSocket` at least the measured
+    /// 3,965 B, `conntrack: true`, or `conntrack: false` where the policy
+    /// says the cluster's nodes track no connections (`conntrack: false`).
+    Spec,
+    /// Not used: `kernelBytesPerSocket` below the measured 3,965 B, or
+    /// `conntrack: false` where the policy says nodes track connections
+    /// (its default); the plan counts the measured default instead.
+    SpecNotTrusted,
+}
+
+impl ClaimSource {
+    /// The name used in the plan.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimSource::Spec => "Spec",
+            ClaimSource::SpecNotTrusted => "SpecNotTrusted",
+        }
+    }
 }
 
 /// Where one size of the plan's node profile came from. `spec.node` can
@@ -445,7 +487,24 @@ mod tests {
                 memory: NodeValueSource::ClusterBelowSpec,
                 cpus: NodeValueSource::SpecBelowCluster,
                 pods: NodeValueSource::Default,
+                kernel_bytes_per_socket: None,
+                conntrack: None,
             })
+        );
+        assert_eq!(
+            serde_json::to_value(&read).unwrap()["nodeSource"],
+            plan["nodeSource"]
+        );
+        // In a cluster, the kernel claims' use too.
+        plan["nodeSource"] = serde_json::json!(
+            {"memory": "Cluster", "cpus": "Cluster", "pods": "Cluster",
+             "kernelBytesPerSocket": "SpecNotTrusted", "conntrack": "Spec"}
+        );
+        let read: Plan = serde_json::from_value(plan.clone()).unwrap();
+        let source = read.node_source.unwrap();
+        assert_eq!(
+            (source.kernel_bytes_per_socket, source.conntrack),
+            (Some(ClaimSource::SpecNotTrusted), Some(ClaimSource::Spec))
         );
         assert_eq!(
             serde_json::to_value(&read).unwrap()["nodeSource"],

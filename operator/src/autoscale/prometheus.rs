@@ -15,6 +15,7 @@ use prometheus_http_query::response::Data;
 
 use super::rebalance::ShardLoad;
 use crate::api::MetricsSpec;
+use crate::policy::{QueryMatchers, matchers_for};
 
 /// A shard reporting more than this many times the plan's per-shard cap
 /// (`shardConnectionLimit`) is implausible, and so is socket memory above
@@ -284,10 +285,16 @@ pub fn validate(
 }
 
 /// A query template rendered for the fleet and confined to its own series
-/// ([`crate::promql::render`]); a query that cannot be confined is
-/// [`MetricsError::Refused`] (the reconcile refuses such a spec first).
-pub fn render_query(template: &str, namespace: &str, fleet: &str) -> Result<String, MetricsError> {
-    crate::promql::render(template, namespace, fleet)
+/// and the `policy` matchers of its namespace ([`crate::promql::render`]);
+/// a query that cannot be confined is [`MetricsError::Refused`] (the
+/// reconcile refuses such a spec first).
+pub fn render_query(
+    template: &str,
+    namespace: &str,
+    fleet: &str,
+    policy: &[(String, String)],
+) -> Result<String, MetricsError> {
+    crate::promql::render(template, namespace, fleet, policy)
         .map_err(|e| MetricsError::Refused(format!("{template}: {e}")))
 }
 
@@ -295,6 +302,9 @@ pub fn render_query(template: &str, namespace: &str, fleet: &str) -> Result<Stri
 #[derive(Clone)]
 pub struct Reader {
     client: Client,
+    /// The admin policy's `queryMatchers`: every query of a fleet is
+    /// confined to those of its namespace too.
+    confinement: Vec<QueryMatchers>,
 }
 
 impl Reader {
@@ -305,7 +315,18 @@ impl Reader {
             .build()?;
         let client = Client::from(http, url)
             .map_err(|e| anyhow::anyhow!("--prometheus-url {url:?}: {e}"))?;
-        Ok(Reader { client })
+        Ok(Reader {
+            client,
+            confinement: Vec::new(),
+        })
+    }
+
+    /// This reader with every fleet's queries confined to the admin
+    /// policy's `queryMatchers` for its namespace, beside its namespace and
+    /// fleet.
+    pub fn confined_by(mut self, query_matchers: &[QueryMatchers]) -> Self {
+        self.confinement = query_matchers.to_vec();
+        self
     }
 
     async fn vector(
@@ -348,7 +369,8 @@ impl Reader {
         expected: &Expected,
     ) -> Result<FleetMetrics, MetricsError> {
         let timeout = Duration::from_secs(spec.query_timeout_seconds.max(1) as u64);
-        let up = render_query(&spec.up_query, namespace, fleet)?;
+        let policy = matchers_for(&self.confinement, namespace);
+        let up = render_query(&spec.up_query, namespace, fleet, &policy)?;
         let ages = self
             .vector(&format!("time() - timestamp({up})"), timeout)
             .await?;
@@ -382,14 +404,14 @@ impl Reader {
                 limit: spec.stale_after_seconds,
             });
         }
-        let q = render_query(&spec.connections_query, namespace, fleet)?;
+        let q = render_query(&spec.connections_query, namespace, fleet, &policy)?;
         let per_pod = self.vector(&q, timeout).await?;
         if per_pod.is_empty() {
             return Err(MetricsError::Empty(q));
         }
         let mem = self
             .vector(
-                &render_query(&spec.socket_memory_query, namespace, fleet)?,
+                &render_query(&spec.socket_memory_query, namespace, fleet, &policy)?,
                 timeout,
             )
             .await?;
@@ -406,13 +428,59 @@ mod tests {
     fn templates_name_the_fleet() {
         let spec = MetricsSpec::default();
         assert_eq!(
-            render_query(&spec.connections_query, "edge", "push").unwrap(),
+            render_query(&spec.connections_query, "edge", "push", &[]).unwrap(),
             r#"sum by (pod) (c10m_connections{fleet="push",namespace="edge"})"#
         );
         assert!(matches!(
-            render_query(r#"up{namespace="other"}"#, "edge", "push"),
+            render_query(r#"up{namespace="other"}"#, "edge", "push", &[]),
             Err(MetricsError::Refused(_))
         ));
+    }
+
+    /// The queries the reader runs carry the policy's matchers for the
+    /// fleet's namespace (a Prometheus answering every query with an empty
+    /// vector: the error names the query sent).
+    #[tokio::test]
+    async fn the_reader_runs_queries_confined_by_the_policy() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let body = r#"{"status":"success","data":{"resultType":"vector","result":[]}}"#;
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(reply.as_bytes()).await;
+            }
+        });
+        let policy = crate::policy::Policy::from_yaml(
+            "queryMatchers: [{namespaces: [edge], matchers: {cluster: eu-1}}]\n",
+        )
+        .unwrap();
+        let reader = Reader::new(&url)
+            .unwrap()
+            .confined_by(&policy.query_matchers);
+        let expected = Expected {
+            pods: vec![],
+            shard_capacity: 1,
+            node_memory_bytes: 1,
+        };
+        let spec = MetricsSpec::default();
+        let err = reader.read(&spec, "edge", "push", &expected).await;
+        assert_eq!(
+            err.unwrap_err(),
+            MetricsError::Empty(r#"up{cluster="eu-1",fleet="push",namespace="edge"}"#.into())
+        );
+        // Another namespace: not confined by that entry.
+        let err = reader.read(&spec, "other", "push", &expected).await;
+        assert_eq!(
+            err.unwrap_err(),
+            MetricsError::Empty(r#"up{fleet="push",namespace="other"}"#.into())
+        );
     }
 
     #[tokio::test]

@@ -426,6 +426,27 @@ pub fn plan_sourced(
     Ok(plan)
 }
 
+/// [`plan_sourced`] for a fleet in a cluster, planned by the operator:
+/// `spec.node`'s per-connection kernel claims are used only where they
+/// cannot under-count what a connection costs the node
+/// ([`super::nodes::trusted_kernel_claims`]: `kernelBytesPerSocket` at
+/// least the measured default, `conntrack: false` only under a policy with
+/// `conntrack: false`), and `nodeSource` says whether each was. Offline
+/// plans ([`plan_sourced`]) take them as given.
+pub fn plan_in_cluster(
+    spec: &ConnectionFleetSpec,
+    (node, source): (NodeFacts, NodeSource),
+    policy: &Policy,
+) -> Result<Plan, PlanError> {
+    let (trusted, kernel, conntrack) = super::nodes::trusted_kernel_claims(spec, !policy.conntrack);
+    let source = NodeSource {
+        kernel_bytes_per_socket: kernel,
+        conntrack,
+        ..source
+    };
+    plan_sourced(&trusted, (node, source), policy)
+}
+
 /// The `tcp_mem` pressure threshold (pages) the plan's nodes run with: the
 /// plan's raised value, else the kernel default for the node.
 pub fn tcp_mem_pressure_pages(plan: &Plan) -> i64 {
@@ -973,6 +994,88 @@ mod tests {
         assert_eq!(
             plain.node_source, None,
             "plan_under says nothing of sources"
+        );
+    }
+
+    /// Issue 13: in a cluster, a fleet claiming cheaper connections than
+    /// the operator can check (0 kernel bytes per socket, no conntrack) is
+    /// planned as if it claimed nothing: the same connections per node and
+    /// the same node-level raises; offline the claim is the planner's and
+    /// is used as given.
+    #[test]
+    fn cheap_kernel_claims_are_not_trusted_in_a_cluster() {
+        use crate::api::status::ClaimSource::{Spec, SpecNotTrusted};
+        use crate::plan::nodes::resolve_sourced;
+        let node = NodeFacts {
+            memory_bytes: 8 << 30,
+            cpus: 4,
+            pods: 110,
+            runtime: NodeRuntime::UNKNOWN,
+        };
+        let claim = spec(serde_json::json!({
+            "connections": 10_000_000,
+            "node": {"kernelBytesPerSocket": 0, "conntrack": false},
+            "shard": {"cpus": 2}
+        }));
+        let mut unclaimed = claim.clone();
+        unclaimed.node = None;
+        let policy = Policy::default();
+        let sourced = |s: &ConnectionFleetSpec| resolve_sourced(s, Some(node)).unwrap();
+
+        let offline = plan_sourced(&claim, sourced(&claim), &policy).unwrap();
+        assert_eq!(
+            offline.bytes_per_connection.kernel, 410,
+            "only the queued share"
+        );
+        let source = offline.node_source.unwrap();
+        assert_eq!(
+            (source.kernel_bytes_per_socket, source.conntrack),
+            (None, None)
+        );
+
+        let plain = plan_in_cluster(&unclaimed, sourced(&unclaimed), &policy).unwrap();
+        let real = plan_in_cluster(&claim, sourced(&claim), &policy).unwrap();
+        assert_eq!(real.bytes_per_connection.kernel, 3965 + 256 + 410);
+        assert_eq!(real.bytes_per_connection, plain.bytes_per_connection);
+        assert_eq!(real.connections_per_node, plain.connections_per_node);
+        assert!(offline.connections_per_node > real.connections_per_node * 2);
+        assert_eq!(real.sysctls, plain.sysctls);
+        assert_eq!(real.memory_limit_bytes, plain.memory_limit_bytes);
+        let source = real.node_source.unwrap();
+        assert_eq!(
+            (source.kernel_bytes_per_socket, source.conntrack),
+            (Some(SpecNotTrusted), Some(SpecNotTrusted))
+        );
+        assert_eq!(plain.node_source.unwrap().conntrack, None);
+        assert!(check(&unclaimed, &real).is_empty());
+
+        // Under a policy saying the nodes track no connections, conntrack:
+        // false is used (no conntrack bytes, no nf_conntrack_max raise);
+        // the socket bytes still are not.
+        let untracked = Policy {
+            conntrack: false,
+            ..Policy::default()
+        };
+        let p = plan_in_cluster(&claim, sourced(&claim), &untracked).unwrap();
+        assert_eq!(p.bytes_per_connection.kernel, 3965 + 410);
+        assert!(!p.sysctls.contains_key(&Sysctl::NfConntrackMax));
+        let source = p.node_source.unwrap();
+        assert_eq!(
+            (source.kernel_bytes_per_socket, source.conntrack),
+            (Some(SpecNotTrusted), Some(Spec))
+        );
+        // A claim dearer than measured is the fleet's to make.
+        let dear = spec(serde_json::json!({
+            "connections": 10_000_000,
+            "node": {"kernelBytesPerSocket": 8000, "conntrack": true},
+            "shard": {"cpus": 2}
+        }));
+        let p = plan_in_cluster(&dear, sourced(&dear), &policy).unwrap();
+        assert_eq!(p.bytes_per_connection.kernel, 8000 + 256 + 410);
+        let source = p.node_source.unwrap();
+        assert_eq!(
+            (source.kernel_bytes_per_socket, source.conntrack),
+            (Some(Spec), Some(Spec))
         );
     }
 

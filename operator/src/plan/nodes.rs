@@ -8,7 +8,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
 
 use super::PlanError;
-use crate::api::status::{NodeSource, NodeValueSource};
+use super::kernel::KERNEL_BYTES_PER_SOCKET;
+use crate::api::status::{ClaimSource, NodeSource, NodeValueSource};
 use crate::api::sysctl::Sysctl;
 use crate::api::{
     ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH, MIN_NODE_MEMORY_BYTES,
@@ -347,8 +348,56 @@ pub fn resolve_sourced(
             memory: memory_source,
             cpus: cpus_source,
             pods: pods_source,
+            kernel_bytes_per_socket: None,
+            conntrack: None,
         },
     ))
+}
+
+/// `spec` with only the per-connection kernel claims of `spec.node` a plan
+/// in a cluster can trust, and whether each claim was used (`None`: not
+/// made). Neither is observable on a node, and both lower what a connection
+/// costs the node, so a claim is used only where it cannot make the plan
+/// pack more connections on a node, or raise its limits less, than they
+/// need:
+///
+/// - `kernelBytesPerSocket` only at or above the measured
+///   [`KERNEL_BYTES_PER_SOCKET`]; a lower claim is replaced by it;
+/// - `conntrack: false` only where `conntrack_off` (the admin's policy says
+///   the cluster's nodes track no connections); otherwise the plan counts
+///   conntrack. `conntrack: true` is always used.
+///
+/// Offline the spec is the planner's own and its claims are taken as given
+/// (this function is not called).
+pub fn trusted_kernel_claims(
+    spec: &ConnectionFleetSpec,
+    conntrack_off: bool,
+) -> (
+    ConnectionFleetSpec,
+    Option<ClaimSource>,
+    Option<ClaimSource>,
+) {
+    let mut trusted = spec.clone();
+    let Some(node) = trusted.node.as_mut() else {
+        return (trusted, None, None);
+    };
+    let kernel = node.kernel_bytes_per_socket.map(|claim| {
+        if claim >= KERNEL_BYTES_PER_SOCKET {
+            ClaimSource::Spec
+        } else {
+            node.kernel_bytes_per_socket = Some(KERNEL_BYTES_PER_SOCKET);
+            ClaimSource::SpecNotTrusted
+        }
+    });
+    let conntrack = node.conntrack.map(|tracked| {
+        if tracked || conntrack_off {
+            ClaimSource::Spec
+        } else {
+            node.conntrack = Some(true);
+            ClaimSource::SpecNotTrusted
+        }
+    });
+    (trusted, kernel, conntrack)
 }
 
 /// One size of the node profile from `spec.node`'s value and the observed
@@ -465,7 +514,13 @@ mod tests {
     };
 
     fn source(memory: NodeValueSource, cpus: NodeValueSource, pods: NodeValueSource) -> NodeSource {
-        NodeSource { memory, cpus, pods }
+        NodeSource {
+            memory,
+            cpus,
+            pods,
+            kernel_bytes_per_socket: None,
+            conntrack: None,
+        }
     }
 
     /// Issue 13: in a cluster, a fleet's `spec.node` claim of a bigger node
@@ -783,5 +838,42 @@ mod tests {
         let offline = resolve(&spec, None).unwrap().runtime;
         assert!(!offline.sys_resource && offline.host_network_namespace);
         assert_eq!(offline.nofile_hard_limit, None);
+    }
+
+    #[test]
+    fn kernel_claims_are_trusted_only_where_they_cost_no_less() {
+        use ClaimSource::{Spec, SpecNotTrusted};
+        let with = |node: serde_json::Value| -> ConnectionFleetSpec {
+            serde_json::from_value(serde_json::json!({"connections": 1, "node": node})).unwrap()
+        };
+        let claims = |s: &ConnectionFleetSpec| {
+            let n = s.node.clone().unwrap_or_default();
+            (n.kernel_bytes_per_socket, n.conntrack)
+        };
+        // Cheaper than measured: not used, under the default policy.
+        let cheap = with(serde_json::json!({"kernelBytesPerSocket": 0, "conntrack": false}));
+        let (t, k, c) = trusted_kernel_claims(&cheap, false);
+        assert_eq!(claims(&t), (Some(KERNEL_BYTES_PER_SOCKET), Some(true)));
+        assert_eq!((k, c), (Some(SpecNotTrusted), Some(SpecNotTrusted)));
+        // Where the admin says nodes track no connections, conntrack: false is used.
+        let (t, k, c) = trusted_kernel_claims(&cheap, true);
+        assert_eq!(claims(&t), (Some(KERNEL_BYTES_PER_SOCKET), Some(false)));
+        assert_eq!((k, c), (Some(SpecNotTrusted), Some(Spec)));
+        // At or above the measured cost: used as given.
+        for bytes in [KERNEL_BYTES_PER_SOCKET, 8000] {
+            let dear = with(serde_json::json!({"kernelBytesPerSocket": bytes, "conntrack": true}));
+            let (t, k, c) = trusted_kernel_claims(&dear, false);
+            assert_eq!(claims(&t), (Some(bytes), Some(true)));
+            assert_eq!((k, c), (Some(Spec), Some(Spec)));
+            assert_eq!(t, dear);
+        }
+        // No claim: nothing to say, the spec unchanged.
+        for plain in [
+            with(serde_json::json!({"memory": "8Gi"})),
+            serde_json::from_value(serde_json::json!({"connections": 1})).unwrap(),
+        ] {
+            let (t, k, c) = trusted_kernel_claims(&plain, false);
+            assert_eq!((t, k, c), (plain, None, None));
+        }
     }
 }

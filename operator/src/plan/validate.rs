@@ -128,17 +128,23 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
 }
 
 /// The `spec.metrics` query templates of fleet `fleet` in `namespace` can be
-/// confined to the fleet's own series ([`crate::promql::render`]): the
-/// operator runs them with its own Prometheus access, so a query reaching
-/// for other tenants' series is refused, naming the field.
-pub fn queries(spec: &ConnectionFleetSpec, namespace: &str, fleet: &str) -> Result<(), PlanError> {
+/// confined to the fleet's own series and to the admin's `policy` matchers
+/// for the namespace ([`crate::promql::render`]): the operator runs them
+/// with its own Prometheus access, so a query reaching for other tenants'
+/// series, or past the policy's matchers, is refused, naming the field.
+pub fn queries(
+    spec: &ConnectionFleetSpec,
+    namespace: &str,
+    fleet: &str,
+    policy: &[(String, String)],
+) -> Result<(), PlanError> {
     let m = &spec.metrics;
     for (field, template) in [
         ("connectionsQuery", &m.connections_query),
         ("socketMemoryQuery", &m.socket_memory_query),
         ("upQuery", &m.up_query),
     ] {
-        crate::promql::render(template, namespace, fleet)
+        crate::promql::render(template, namespace, fleet, policy)
             .map_err(|e| PlanError::Invalid(format!("spec.metrics.{field}: {e}")))?;
     }
     Ok(())
@@ -152,12 +158,29 @@ mod tests {
     fn default_queries_confine_and_foreign_ones_are_refused() {
         let mut spec: ConnectionFleetSpec =
             serde_json::from_value(serde_json::json!({"connections": 1})).unwrap();
-        queries(&spec, "team-a", "edge").unwrap();
+        queries(&spec, "team-a", "edge", &[]).unwrap();
         spec.metrics.connections_query =
             r#"sum by (pod) (c10m_connections{namespace="team-b"})"#.into();
-        let err = queries(&spec, "team-a", "edge").unwrap_err().to_string();
+        let err = queries(&spec, "team-a", "edge", &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("spec.metrics.connectionsQuery: "), "{err}");
         spec.metrics.connections_query = "sum(".into();
-        assert!(queries(&spec, "team-a", "edge").is_err());
+        assert!(queries(&spec, "team-a", "edge", &[]).is_err());
+    }
+
+    #[test]
+    fn queries_past_the_policy_matchers_are_refused_naming_the_field() {
+        let mut spec: ConnectionFleetSpec =
+            serde_json::from_value(serde_json::json!({"connections": 1})).unwrap();
+        let eu = [("cluster".to_string(), "eu-1".to_string())];
+        queries(&spec, "team-a", "edge", &eu).unwrap();
+        spec.metrics.up_query = r#"up{cluster="us-2"}"#.into();
+        let err = queries(&spec, "team-a", "edge", &eu)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("spec.metrics.upQuery: "), "{err}");
+        assert!(err.contains("policy (queryMatchers)"), "{err}");
+        queries(&spec, "team-a", "edge", &[]).unwrap();
     }
 }
