@@ -352,3 +352,114 @@ fn the_admin_policy_file_decides_init_containers_images_and_ceilings() {
     let message = condition(&f, "SysctlsApplied").unwrap()["message"].clone();
     println!("FIGURE tenant conntrack ceiling 1200000: raised to {raised}; {message}");
 }
+
+/// The admin's policy file on placement, queries and kernel claims: a node
+/// selector on a reserved label is refused unless allowed; every query of
+/// the namespace is confined to the policy's matchers, at admission and
+/// when the operator runs it; a claim of cheaper connections than the
+/// operator can check (`kernelBytesPerSocket: 0`, `conntrack: false`) is
+/// not used in the cluster.
+#[test]
+fn the_admin_policy_file_decides_node_selectors_queries_and_kernel_claims() {
+    ensure_crd();
+    let prom = Prometheus::ensure();
+    let tenant = Tenant::create("tenant-placed");
+    let ns = tenant.name();
+    let file = policy_file(
+        ns,
+        &format!(
+            "reservedNodeLabels: [kubernetes.io/hostname, c10m.dev/pool]\nallowedNodeSelectors:\n  - {{key: c10m.dev/pool, value: edge, namespaces: [{ns}]}}\nqueryMatchers:\n  - {{namespaces: [{ns}], matchers: {{cluster: eu-1}}}}\n"
+        ),
+    );
+    let args = [
+        "run",
+        "--namespace",
+        ns,
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--prometheus-url",
+        &prom,
+        "--policy-file",
+        file.to_str().unwrap(),
+    ];
+    let _op = Operator::spawn(&args, &kubeconfig(), ns);
+
+    // 1. Pinned to one node by a reserved label: Degraded naming the
+    //    field and the policy keys, one Warning, no Deployment.
+    let (ok, out) = tenant.apply(&fleet(
+        "pinned",
+        "  placement:\n    nodeSelector:\n      kubernetes.io/hostname: kwok-node-1\n",
+    ));
+    assert!(ok, "{out}");
+    let f = wait_condition(ns, "pinned", "Degraded", "True", "NodeSelectorNotAllowed");
+    let message = condition(&f, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.starts_with(
+            r#"spec.placement.nodeSelector["kubernetes.io/hostname"] = "kwok-node-1" "#
+        ) && message.contains("(reservedNodeLabels)")
+            && message.contains("(policy allowedNodeSelectors)"),
+        "{message}"
+    );
+    assert_eq!(condition(&f, "Ready").unwrap()["status"], "False");
+    assert!(get_json(ns, "deployment", "pinned").is_none());
+    let warned = events_for(ns, "pinned")
+        .into_iter()
+        .filter(|(t, r, _)| t == "Warning" && r == "NodeSelectorNotAllowed")
+        .count();
+    assert_eq!(warned, 1, "one Warning for pinned");
+    println!(
+        "FIGURE tenant nodeSelector on a reserved label: Degraded NodeSelectorNotAllowed: {message}"
+    );
+
+    // 2. A query reaching past the policy's matchers: refused, naming the
+    //    field and the policy key.
+    let (ok, out) = tenant.apply(&fleet(
+        "elsewhere",
+        "  metrics:\n    connectionsQuery: 'sum by (pod) (c10m_connections{cluster=\"us-2\"})'\n",
+    ));
+    assert!(ok, "{out}");
+    let f = wait_condition(ns, "elsewhere", "Degraded", "True", "InvalidSpec");
+    let message = condition(&f, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.starts_with("spec.metrics.connectionsQuery") && message.contains("(queryMatchers)"),
+        "{message}"
+    );
+    assert!(get_json(ns, "deployment", "elsewhere").is_none());
+    println!("FIGURE tenant query past the policy's matchers: Degraded InvalidSpec: {message}");
+
+    // 3. The allowed selector, with cheap kernel claims: it runs on the
+    //    nodes, sized as if it claimed nothing, and says the claims were not
+    //    used. The queries the operator runs carry cluster="eu-1" (the
+    //    harness's Prometheus has no such label: no samples, naming it).
+    let (ok, out) = tenant.apply(&fleet(
+        "pooled",
+        "  placement:\n    nodeSelector:\n      c10m.dev/pool: edge\n  node:\n    kernelBytesPerSocket: 0\n    conntrack: false\n",
+    ));
+    assert!(ok, "{out}");
+    let f = wait_condition(ns, "pooled", "Ready", "True", "ShardsReady");
+    let plan = &f["status"]["plan"];
+    assert_eq!(
+        plan["nodeSource"]["kernelBytesPerSocket"], "SpecNotTrusted",
+        "{plan}"
+    );
+    assert_eq!(plan["nodeSource"]["conntrack"], "SpecNotTrusted", "{plan}");
+    assert_eq!(plan["nodeSource"]["memory"], "Cluster", "{plan}");
+    let kernel = plan["bytesPerConnection"]["kernel"].as_i64().unwrap();
+    assert!(kernel >= 3965 + 256, "{plan}");
+    let f = wait_condition(ns, "pooled", "MetricsAvailable", "False", "NoSamples");
+    let message = condition(&f, "MetricsAvailable").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(message.contains(r#"cluster="eu-1""#), "{message}");
+    println!(
+        "FIGURE tenant kernelBytesPerSocket 0, conntrack false: {kernel} kernel bytes per connection, nodeSource {}; metrics: {message}",
+        plan["nodeSource"]
+    );
+}
