@@ -484,13 +484,16 @@ pub struct NodeProfile {
     pub price_per_hour: Option<String>,
 
     /// Kernel bytes per idle, epoll-registered TCP socket. Default 3965
-    /// (slab objects of a socket on Linux 6.x, docs/KERNEL_FACTS.md).
+    /// (slab objects of a socket on Linux 6.x, docs/KERNEL_FACTS.md). The
+    /// operator uses a smaller value only in offline plans; in a cluster
+    /// it never plans below 3965 (`status.plan.nodeSource`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 1_048_576))]
     pub kernel_bytes_per_socket: Option<i64>,
 
     /// Connections pass through conntrack (Service NAT by kube-proxy): +256 B
-    /// each and `nf_conntrack_max` applies. Default true.
+    /// each and `nf_conntrack_max` applies. Default true. In a cluster,
+    /// false counts only where the operator's policy says `conntrack: false`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conntrack: Option<bool>,
 
