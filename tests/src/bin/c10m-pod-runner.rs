@@ -16,14 +16,14 @@
 //! Secret volumes the container mounts are materialized the way the kubelet
 //! writes them (a timestamped directory, a `..data` symlink to it swapped
 //! atomically on update, a symlink per key), one directory per pod and
-//! volume under `--volume-dir`, with the volume's modes and the pod's
-//! `fsGroup` as the files' group; env values and args naming a path under
-//! the mount path are rewritten into that directory (the servers run on the
-//! host, so the mount path itself does not exist). A Secret that changes is
-//! written again within a tick, as the kubelet does within its sync
-//! period: Secrets carrying the pod selector's labels (the operator's admin
-//! Secrets do) are watched; others are read once, at start. Other volume
-//! kinds are not materialized.
+//! volume under `--volume-dir` (default under /tmp), with the volume's
+//! modes and the pod's `fsGroup` as the files' group; env values and args
+//! naming a path under the mount path are rewritten into that directory
+//! (the servers run on the host, where the mount path does not exist).
+//! Secrets carrying the pod selector's labels (the operator's admin Secrets
+//! do) are watched, and one that changes is written again at the next tick
+//! (a kubelet takes up to its sync period); others are read once, at start.
+//! Other volume kinds are not materialized.
 //!
 //! Invariants: at most one server per pod UID, and at most one live server
 //! per IP (a new pod that reuses the IP of a draining one waits for it).
@@ -69,10 +69,11 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     shutdown_timeout_secs: u64,
     /// Directory of the pods' Secret volumes, one `<pod uid>/<volume>` each
-    /// (default: `$TMPDIR/c10m-pod-runner.<pid>`, removed at exit). Servers
+    /// (default: `/tmp/c10m-pod-runner.<pid>`, removed at exit). Servers
     /// that drop to an unprivileged uid read their files after the drop,
-    /// so every directory above it must be enterable by that uid (the log
-    /// directory under /root is not).
+    /// so every directory above it must be enterable by that uid: /tmp is,
+    /// while the log directory under /root, or a private `$TMPDIR`, may
+    /// not be.
     #[arg(long)]
     volume_dir: Option<PathBuf>,
 }
@@ -749,9 +750,10 @@ async fn main() -> Result<()> {
     // removed at exit. A given one is left as it is; only the pods'
     // directories in it are removed as their servers stop.
     let own_volume_dir = args.volume_dir.is_none();
-    let volume_dir = args.volume_dir.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("c10m-pod-runner.{}", std::process::id()))
-    });
+    let volume_dir = args
+        .volume_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("/tmp/c10m-pod-runner.{}", std::process::id())));
     {
         use std::os::unix::fs::DirBuilderExt;
         if own_volume_dir {
