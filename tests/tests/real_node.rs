@@ -240,6 +240,40 @@ fn admin_get(ip: &str, port: i64, path: &str) -> (u16, String) {
     (status, body.to_string())
 }
 
+/// The admin token in Secret `name` (key `token`).
+fn secret_token(ns: &str, name: &str) -> String {
+    let s = get_json(ns, "secret", name).expect("the fleet's admin Secret");
+    let b64 = s["data"]["token"].as_str().unwrap();
+    let out = Command::new("base64")
+        .args(["-d"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(b64.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("base64 -d");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// POST `path` to the shard's admin port with bearer `token`; the status.
+fn admin_post(ip: &str, port: i64, path: &str, token: &str) -> u16 {
+    let mut s = TcpStream::connect((ip, port as u16)).expect("connect to the admin port");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {ip}\r\nAuthorization: Bearer {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
 /// The sum of the Prometheus samples of `name` in `metrics` (one per
 /// worker for per-worker gauges), `None` when there is none.
 fn metric(metrics: &str, name: &str) -> Option<f64> {
@@ -274,7 +308,7 @@ fn established_to(ip: &str, port: i64) -> usize {
 /// many workers, the nofile the node allows, and no identity or capability
 /// beyond uid/gid 65532. A load generator on the host holds connections to
 /// the pod IP across the bridge; the liveness probe survives slow admin
-/// clients; deleting the fleet takes its last shard away, and the kubelet's
+/// clients; a rotated admin Secret reaches the running server; deleting the fleet takes its last shard away, and the kubelet's
 /// SIGTERM drains it at the planned rate with a goodbye to every client.
 #[test]
 fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
@@ -323,7 +357,14 @@ fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
             !args.iter().any(|a| a.starts_with("--raise-node")),
             "{args:?}"
         );
-        assert!(pod["spec"]["volumes"].is_null(), "no host /proc mounted");
+        let volumes = pod["spec"]["volumes"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            volumes.iter().all(|v| v["hostPath"].is_null()),
+            "no host /proc mounted: {volumes:?}"
+        );
     }
 
     // The real image, both containers.
@@ -466,6 +507,39 @@ fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
         Some(Value::from("True"))
     );
     assert_eq!(established_to(&ip, port), HELD as usize);
+
+    // The admin token is a mounted Secret file: a rotated Secret reaches
+    // the running server through the kubelet (no restart); the old token
+    // stops working.
+    let secret = format!("{}-admin", "edge");
+    let old = secret_token(ns, &secret);
+    assert_eq!(
+        admin_post(&ip, metrics_port, "/shed?count=0&rate=1", &old),
+        202
+    );
+    let new = "rotated-0123456789abcdef0123456789abcdef";
+    let rotated = Instant::now();
+    kubectl(&[
+        "patch",
+        "secret",
+        "-n",
+        ns,
+        &secret,
+        "--type=merge",
+        "-p",
+        &format!(r#"{{"stringData":{{"token":"{new}"}}}}"#),
+    ]);
+    wait_for("the rotated token to reach the server", 2 * MINUTE, || {
+        (admin_post(&ip, metrics_port, "/shed?count=0&rate=1", new) == 202).then_some(())
+    });
+    println!(
+        "FIGURE admin_token_rotation_seconds={:.1}",
+        rotated.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        admin_post(&ip, metrics_port, "/shed?count=0&rate=1", &old),
+        401
+    );
 
     // The last shard goes: the kubelet sends SIGTERM, and the server closes
     // its clients at spec.drain.rate, each with a WebSocket goodbye.
