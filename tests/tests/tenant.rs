@@ -439,7 +439,7 @@ fn the_admin_policy_file_decides_node_selectors_queries_and_kernel_claims() {
     //    harness's Prometheus has no such label: no samples, naming it).
     let (ok, out) = tenant.apply(&fleet(
         "pooled",
-        "  placement:\n    nodeSelector:\n      c10m.dev/pool: edge\n  node:\n    kernelBytesPerSocket: 0\n    conntrack: false\n",
+        "  placement:\n    nodeSelector:\n      c10m.dev/pool: edge\n  node:\n    kernelBytesPerSocket: 0\n    conntrack: false\n  autoscaling:\n    enabled: true\n    syncPeriodSeconds: 2\n",
     ));
     assert!(ok, "{out}");
     let f = wait_condition(ns, "pooled", "Ready", "True", "ShardsReady");
