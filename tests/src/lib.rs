@@ -142,6 +142,38 @@ pub fn get_json(ns: &str, kind: &str, name: &str) -> Option<Value> {
         .then(|| serde_json::from_slice(&out.stdout).unwrap())
 }
 
+/// Waits up to `timeout` until fleet `name` in `ns` is Ready for its
+/// current generation, and returns it.
+pub fn wait_fleet_ready(ns: &str, name: &str, timeout: Duration) -> Value {
+    wait_for(&format!("fleet {name} Ready"), timeout, || {
+        let f = get_json(ns, "connectionfleet", name)?;
+        let ready = condition(&f, "Ready")?["status"] == "True";
+        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
+    })
+}
+
+/// The pods of fleet `fleet` in `ns` (label `c10m.dev/fleet`), as
+/// `kubectl get -o json` items; empty when kubectl fails.
+pub fn fleet_pods(ns: &str, fleet: &str) -> Vec<Value> {
+    let out = kubectl_with(
+        &[
+            "get",
+            "pods",
+            "-n",
+            ns,
+            "-l",
+            &format!("c10m.dev/fleet={fleet}"),
+            "-o",
+            "json",
+        ],
+        None,
+    );
+    serde_json::from_slice::<Value>(&out.stdout)
+        .ok()
+        .and_then(|v| v["items"].as_array().cloned())
+        .unwrap_or_default()
+}
+
 /// Polls `f` every 250 ms until it returns `Some`, or panics after `timeout`
 /// with `what` and the last value seen by `describe`.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {

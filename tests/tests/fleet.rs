@@ -44,11 +44,7 @@ fn env_of(container: &Value, name: &str) -> Option<String> {
 
 /// Waits until the fleet is Ready for its current generation and returns it.
 fn wait_ready(ns: &str, name: &str) -> Value {
-    wait_for(&format!("fleet {name} Ready"), MINUTE, || {
-        let f = get_json(ns, "connectionfleet", name)?;
-        let ready = condition(&f, "Ready")?["status"] == "True";
-        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
-    })
+    wait_fleet_ready(ns, name, MINUTE)
 }
 
 #[test]
@@ -136,20 +132,9 @@ fn fleet_is_planned_deployed_replanned_and_deleted() {
         Some("65532:65532")
     );
 
-    let pods: Value = serde_json::from_str(&kubectl(&[
-        "get",
-        "pods",
-        "-n",
-        ns,
-        "-l",
-        "c10m.dev/fleet=push-edge",
-        "-o",
-        "json",
-    ]))
-    .unwrap();
-    let pods = pods["items"].as_array().unwrap();
+    let pods = fleet_pods(ns, "push-edge");
     assert_eq!(pods.len() as i64, shards);
-    for p in pods {
+    for p in &pods {
         assert_eq!(p["status"]["phase"], "Running", "{}", p["metadata"]["name"]);
         assert_eq!(p["status"]["qosClass"], "Guaranteed");
         assert!(

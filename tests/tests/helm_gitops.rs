@@ -123,11 +123,7 @@ fn fleet(name: &str, connections: i64) -> String {
 }
 
 fn wait_ready(ns: &str, name: &str) -> Value {
-    wait_for(&format!("{name} Ready"), MINUTE, || {
-        let f = get_json(ns, "connectionfleet", name)?;
-        let ready = condition(&f, "Ready")?["status"] == "True";
-        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
-    })
+    wait_fleet_ready(ns, name, MINUTE)
 }
 
 fn rv(ns: &str, kind: &str, name: &str) -> Value {

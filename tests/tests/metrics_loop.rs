@@ -179,42 +179,21 @@ struct ShardPod {
 }
 
 fn pods(ns: &str, fleet: &str) -> Vec<ShardPod> {
-    let out = kubectl_with(
-        &[
-            "get",
-            "pods",
-            "-n",
-            ns,
-            "-l",
-            &format!("c10m.dev/fleet={fleet}"),
-            "-o",
-            "json",
-        ],
-        None,
-    );
-    let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) else {
-        return vec![];
-    };
-    v["items"]
-        .as_array()
-        .map(|items| {
-            items
-                .iter()
-                .filter_map(|p| {
-                    let ready = p["metadata"]["deletionTimestamp"].is_null()
-                        && p["status"]["conditions"]
-                            .as_array()?
-                            .iter()
-                            .any(|c| c["type"] == "Ready" && c["status"] == "True");
-                    Some(ShardPod {
-                        name: p["metadata"]["name"].as_str()?.to_string(),
-                        ip: p["status"]["podIP"].as_str()?.to_string(),
-                        ready,
-                    })
-                })
-                .collect()
+    fleet_pods(ns, fleet)
+        .iter()
+        .filter_map(|p| {
+            let ready = p["metadata"]["deletionTimestamp"].is_null()
+                && p["status"]["conditions"]
+                    .as_array()?
+                    .iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            Some(ShardPod {
+                name: p["metadata"]["name"].as_str()?.to_string(),
+                ip: p["status"]["podIP"].as_str()?.to_string(),
+                ready,
+            })
         })
-        .unwrap_or_default()
+        .collect()
 }
 
 /// Starts `c10m-loadgen`: WebSocket, reconnect-on-close, random target

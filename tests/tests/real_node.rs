@@ -90,39 +90,19 @@ fn running_pod(ns: &str, fleet: &str) -> Value {
         &format!("a Ready pod of {fleet} on {NODE}"),
         3 * MINUTE,
         || {
-            let pods: Value = serde_json::from_str(&kubectl(&[
-                "get",
-                "pods",
-                "-n",
-                ns,
-                "-l",
-                &format!("c10m.dev/fleet={fleet}"),
-                "-o",
-                "json",
-            ]))
-            .ok()?;
-            pods["items"]
-                .as_array()?
-                .iter()
-                .find(|p| {
-                    p["spec"]["nodeName"] == NODE
-                        && p["metadata"]["deletionTimestamp"].is_null()
-                        && p["status"]["phase"] == "Running"
-                        && condition(p, "Ready").is_some_and(|c| c["status"] == "True")
-                })
-                .cloned()
+            fleet_pods(ns, fleet).into_iter().find(|p| {
+                p["spec"]["nodeName"] == NODE
+                    && p["metadata"]["deletionTimestamp"].is_null()
+                    && p["status"]["phase"] == "Running"
+                    && condition(p, "Ready").is_some_and(|c| c["status"] == "True")
+            })
         },
     )
 }
 
 /// The fleet's plan, once the fleet is Ready for its generation.
 fn ready_plan(ns: &str, name: &str) -> Value {
-    let f = wait_for(&format!("fleet {name} Ready"), 3 * MINUTE, || {
-        let f = get_json(ns, "connectionfleet", name)?;
-        let ready = condition(&f, "Ready")?["status"] == "True";
-        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
-    });
-    f["status"]["plan"].clone()
+    wait_fleet_ready(ns, name, 3 * MINUTE)["status"]["plan"].clone()
 }
 
 /// pid of the `c10m-server` process of the pod with `uid`, found on the
