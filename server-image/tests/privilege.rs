@@ -134,13 +134,7 @@ fn command(start: Start, env: &[(&str, &str)], log: &Path) -> Command {
 /// race); panics with its log if it exits during start-up for any other
 /// reason.
 fn start(start: Start, extra_env: &[(&str, &str)], log: &Path) -> Server {
-    for _attempt in 0..5 {
-        let ip = test_ip();
-        let port = free_port(ip);
-        let mut admin_port = free_port(ip);
-        while admin_port == port {
-            admin_port = free_port(ip);
-        }
+    start_on_fresh_ports(Some(log), |ip, port, admin_port| {
         let (ip_s, port_s, admin_s) = (ip.to_string(), port.to_string(), admin_port.to_string());
         let mut env = vec![
             ("C10M_BIND", ip_s.as_str()),
@@ -150,23 +144,8 @@ fn start(start: Start, extra_env: &[(&str, &str)], log: &Path) -> Server {
             ("C10M_DRAIN_ACCEPT_SECS", "0"),
         ];
         env.extend_from_slice(extra_env);
-        let child = command(start, &env, log)
-            .spawn()
-            .expect("spawn c10m-server");
-        let mut server = Server {
-            child,
-            addr: (ip, port).into(),
-            admin: (ip, admin_port).into(),
-        };
-        if server.wait_ready() {
-            return server;
-        }
-        let said = std::fs::read_to_string(log).unwrap_or_default();
-        if !said.contains("Address already in use") {
-            panic!("c10m-server did not start:\n{said}");
-        }
-    }
-    panic!("c10m-server did not become ready");
+        command(start, &env, log)
+    })
 }
 
 /// Runs the server to its exit (it must not start serving); exit status

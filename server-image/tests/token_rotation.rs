@@ -98,13 +98,7 @@ impl Drop for SecretVolume {
 /// `env` is added (e.g. `C10M_RUN_AS`).
 fn start(volume: &SecretVolume, env: &[(&str, &str)], log: &Path) -> Server {
     let token = volume.token_path();
-    for _attempt in 0..5 {
-        let ip = test_ip();
-        let port = free_port(ip);
-        let mut admin_port = free_port(ip);
-        while admin_port == port {
-            admin_port = free_port(ip);
-        }
+    start_on_fresh_ports(Some(log), |ip, port, admin_port| {
         let mut cmd = Command::new(BIN);
         for (k, _) in std::env::vars() {
             if k.starts_with("C10M_") {
@@ -122,20 +116,8 @@ fn start(volume: &SecretVolume, env: &[(&str, &str)], log: &Path) -> Server {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(log).unwrap());
-        let mut server = Server {
-            child: cmd.spawn().expect("spawn c10m-server"),
-            addr: (ip, port).into(),
-            admin: (ip, admin_port).into(),
-        };
-        if server.wait_ready() {
-            return server;
-        }
-        let said = std::fs::read_to_string(log).unwrap_or_default();
-        if !said.contains("Address already in use") {
-            panic!("c10m-server did not start:\n{said}");
-        }
-    }
-    panic!("c10m-server did not become ready");
+        cmd
+    })
 }
 
 /// `POST /shed?count=0` (an order that closes nothing) with `token`.

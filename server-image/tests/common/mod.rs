@@ -5,6 +5,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -71,6 +72,49 @@ pub fn free_port(ip: Ipv4Addr) -> u16 {
         .port()
 }
 
+/// Starts the real server on a fresh loopback address with two distinct
+/// fresh ports, up to five times (new ports after a lost port race).
+/// `command` builds the command for the address, port and admin (metrics)
+/// port; it is spawned and waited on until `/healthz` answers.
+///
+/// With `log`, the file `command` sends the server's stderr to, only a
+/// start-up that logged "Address already in use" is retried; any other
+/// failure panics with the log. Without one (stderr inherited, nothing to
+/// read), every failed start is retried.
+pub fn start_on_fresh_ports(
+    log: Option<&Path>,
+    mut command: impl FnMut(Ipv4Addr, u16, u16) -> Command,
+) -> Server {
+    for _attempt in 0..5 {
+        let ip = test_ip();
+        let port = free_port(ip);
+        let mut admin_port = free_port(ip);
+        while admin_port == port {
+            admin_port = free_port(ip);
+        }
+        let child = command(ip, port, admin_port)
+            .spawn()
+            .expect("spawn c10m-server");
+        let mut server = Server {
+            child,
+            addr: SocketAddr::from((ip, port)),
+            admin: SocketAddr::from((ip, admin_port)),
+        };
+        if server.wait_ready() {
+            return server;
+        }
+        if let Some(log) = log {
+            let said = std::fs::read_to_string(log).unwrap_or_default();
+            if !said.contains("Address already in use") {
+                panic!("c10m-server did not start:\n{said}");
+            }
+        }
+        // Lost a port race (or, without a log, failed to start): try fresh
+        // ports.
+    }
+    panic!("c10m-server did not become ready");
+}
+
 /// RLIMIT_NOFILE hard limit of this process; the server inherits it and
 /// raises its soft limit to it.
 pub fn hard_nofile() -> u64 {
@@ -106,13 +150,9 @@ impl Server {
     }
 
     pub fn start_with(o: Opts) -> Server {
-        for _attempt in 0..5 {
-            let ip = test_ip();
-            let port = free_port(ip);
-            let mut admin_port = free_port(ip);
-            while admin_port == port {
-                admin_port = free_port(ip);
-            }
+        // stderr is inherited, so there is no log to tell a lost port race
+        // from another failure: every failed start is retried.
+        start_on_fresh_ports(None, |ip, port, admin_port| {
             let mut cmd = Command::new(BIN);
             for (k, _) in std::env::vars() {
                 if k.starts_with("C10M_") {
@@ -161,18 +201,8 @@ impl Server {
                     });
                 }
             }
-            let child = cmd.spawn().expect("spawn c10m-server");
-            let mut server = Server {
-                child,
-                addr: SocketAddr::from((ip, port)),
-                admin: SocketAddr::from((ip, admin_port)),
-            };
-            if server.wait_ready() {
-                return server;
-            }
-            // Lost a port race (or failed to start): try fresh ports.
-        }
-        panic!("c10m-server did not become ready");
+            cmd
+        })
     }
 
     pub fn wait_ready(&mut self) -> bool {
