@@ -287,7 +287,8 @@ fn established_to(ip: &str, port: i64) -> usize {
 /// netns, its memory limit, an exclusive cpuset of the plan's size with as
 /// many workers, the nofile the node allows, and no identity or capability
 /// beyond uid/gid 65532. A load generator on the host holds connections to
-/// the pod IP across the bridge; the liveness probe survives slow admin
+/// the pod IP across the bridge, and the metrics loop counts them through
+/// Prometheus; the liveness probe survives slow admin
 /// clients; a rotated admin Secret reaches the running server; deleting the fleet takes its last shard away, and the kubelet's
 /// SIGTERM drains it at the planned rate with a goodbye to every client.
 #[test]
@@ -303,9 +304,25 @@ fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
         .unwrap();
     let ns = Namespace::create("real");
     let ns = ns.0.as_str();
-    let _op = Operator::start(ns);
+    // The metrics loop reads the real pod too: the harness's Prometheus
+    // scrapes it over the bridge.
+    let prom = Prometheus::ensure();
+    let _op = Operator::spawn(
+        &[
+            "run",
+            "--namespace",
+            ns,
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--prometheus-url",
+            &prom,
+        ],
+        &kubeconfig(),
+        ns,
+    );
     let created = Instant::now();
-    let (ok, out) = apply(ns, &fleet("edge", ""));
+    let autoscaling = "  autoscaling:\n    enabled: true\n    syncPeriodSeconds: 2\n";
+    let (ok, out) = apply(ns, &fleet("edge", autoscaling));
     assert!(ok, "{out}");
     let plan = ready_plan(ns, "edge");
     let pod = running_pod(ns, "edge");
@@ -450,6 +467,22 @@ fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
         (metric(&m, "c10m_connections") == Some(HELD as f64)).then_some(())
     });
     assert_eq!(established_to(&ip, port), HELD as usize);
+    let counted = Instant::now();
+    let f = wait_for(
+        "the fleet's status to count the held clients",
+        MINUTE,
+        || {
+            let f = get_json(ns, "connectionfleet", "edge")?;
+            (f["status"]["liveConnections"] == HELD
+                && condition(&f, "MetricsAvailable").is_some_and(|c| c["status"] == "True"))
+            .then_some(f)
+        },
+    );
+    println!(
+        "FIGURE live_connections status={} held={HELD} after={:.1}s",
+        f["status"]["liveConnections"],
+        counted.elapsed().as_secs_f64()
+    );
 
     // Slow admin clients (headers never finished) for longer than the
     // liveness probe's failure window: the kubelet's probes still pass.
