@@ -379,7 +379,7 @@ impl Metrics {
         );
         registry.register(
             "c10m_kernel_sysctl",
-            "Kernel settings read at start (tcp_mem in pages, tcp_rmem and tcp_wmem in bytes)",
+            "Kernel settings read at start, by sysctl name and field (tcp_mem in pages, tcp_rmem and tcp_wmem in bytes, somaxconn, nr_open and epoll max_user_watches in counts)",
             m.sysctl.clone(),
         );
         registry.register(
@@ -593,6 +593,26 @@ mod tests {
                 text.lines().any(|l| l == line),
                 "missing {line:?} in:\n{text}"
             );
+        }
+    }
+
+    /// What the operator compares with its plan (kernel drift): every sysctl
+    /// read at start, one series per field, beside `c10m_fd_limit`.
+    #[test]
+    fn kernel_settings_are_exported_by_name_and_field() {
+        let m = Metrics::new(1);
+        m.fd_limit.set(1_024);
+        m.set_sysctls(&crate::system::read_sysctls(std::path::Path::new("/proc")));
+        let text = m.encode(Format::PrometheusText);
+        assert!(text.lines().any(|l| l == "c10m_fd_limit 1024"), "{text}");
+        for (name, fields) in crate::system::SYSCTLS {
+            for field in *fields {
+                let series = format!("c10m_kernel_sysctl{{name=\"{name}\",field=\"{field}\"}} ");
+                assert!(
+                    text.lines().any(|l| l.starts_with(&series)),
+                    "missing {series:?} in:\n{text}"
+                );
+            }
         }
     }
 

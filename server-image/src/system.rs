@@ -13,12 +13,16 @@ pub const PAGE_BYTES: u64 = 4096;
 /// The sysctls read at start and exported as `c10m_kernel_sysctl`, with the
 /// names of their space-separated fields. Units as the kernel reports them:
 /// `tcp_mem` in pages, `tcp_rmem`/`tcp_wmem` in bytes, the rest counts.
+/// Namespaced ones (`somaxconn`, `tcp_rmem`, `tcp_wmem`) are the values of
+/// the server's network namespace, the others the node's: what the shard
+/// runs under, which the operator compares with its plan (kernel drift).
 pub const SYSCTLS: &[(&str, &[&str])] = &[
     ("net.core.somaxconn", &["value"]),
     ("net.ipv4.tcp_mem", &["min", "pressure", "max"]),
     ("net.ipv4.tcp_rmem", &["min", "default", "max"]),
     ("net.ipv4.tcp_wmem", &["min", "default", "max"]),
     ("fs.nr_open", &["value"]),
+    ("fs.epoll.max_user_watches", &["value"]),
 ];
 
 /// The TCP line of `/proc/net/sockstat`.
@@ -144,5 +148,21 @@ mod tests {
             somaxconn.trim().parse().unwrap()
         )));
         assert_eq!(got.iter().filter(|g| g.0 == "net.ipv4.tcp_mem").count(), 3);
+        // Every sysctl the operator compares with its plan is read.
+        for (name, fields) in SYSCTLS {
+            for field in *fields {
+                let path = Path::new("/proc/sys").join(name.replace('.', "/"));
+                let want = parse_sysctl(&std::fs::read_to_string(&path).unwrap());
+                let n = fields.iter().position(|f| f == field).unwrap();
+                assert!(
+                    got.contains(&(*name, *field, want[n])),
+                    "{name} {field}: {got:?}"
+                );
+            }
+        }
+        assert!(
+            got.iter()
+                .any(|g| g.0 == "fs.epoll.max_user_watches" && g.2 > 0)
+        );
     }
 }
