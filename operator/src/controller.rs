@@ -88,10 +88,11 @@ fn node_profile_hash(node: &Node) -> Option<u64> {
     Some(h.finish())
 }
 
-/// Runs the controller until SIGTERM/SIGINT.
-pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
+/// Starts serving `/metrics` and `/healthz` on `addr` (when set) and
+/// returns the metrics the controller records into.
+pub fn serve_metrics(addr: Option<String>) -> Arc<crate::telemetry::Metrics> {
     let metrics = Arc::new(crate::telemetry::Metrics::default());
-    if let Some(addr) = config.metrics_addr.clone() {
+    if let Some(addr) = addr {
         let m = metrics.clone();
         tokio::spawn(async move {
             if let Err(e) = crate::telemetry::serve(addr, m).await {
@@ -99,6 +100,25 @@ pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
             }
         });
     }
+    metrics
+}
+
+/// Runs the controller until SIGTERM/SIGINT (no leader election: this
+/// process is the only one acting).
+pub async fn run(client: Client, config: RunConfig) -> anyhow::Result<()> {
+    let metrics = serve_metrics(config.metrics_addr.clone());
+    metrics.set_leader(true);
+    run_controller(client, config, metrics).await
+}
+
+/// Installs the CRD (when managed) and runs the controller until
+/// SIGTERM/SIGINT, recording into `metrics`. With leader election this
+/// runs only while the Lease is held ([`crate::leader::run`]).
+pub async fn run_controller(
+    client: Client,
+    config: RunConfig,
+    metrics: Arc<crate::telemetry::Metrics>,
+) -> anyhow::Result<()> {
     if config.manage_crd {
         apply_crd(&client).await?;
     }

@@ -15,6 +15,7 @@
 //! - [`status`]: the next status and the events a change announces (pure);
 //! - [`reconcile`]: the driver and the I/O of each step;
 //! - [`controller`]: watches, predicates, CRD install, run configuration;
+//! - [`leader`]: leader election on a Lease; runs the controller while held;
 //! - [`telemetry`], [`table`]: the operator's own metrics; plan tables.
 //! - [`promql`]: tenant PromQL confined to the fleet's own series (a leaf);
 //! - [`policy`]: the cluster admin's policy, what no fleet can choose (a leaf).
@@ -22,6 +23,7 @@
 pub mod api;
 pub mod autoscale;
 pub mod controller;
+pub mod leader;
 pub mod names;
 pub mod plan;
 pub mod policy;

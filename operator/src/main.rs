@@ -12,7 +12,7 @@ use c10m_operator::api::{self, ConnectionFleet};
 use c10m_operator::plan::nodes;
 use c10m_operator::plan::{self, NodeFacts, NodeRuntime};
 use c10m_operator::policy::Policy;
-use c10m_operator::{controller, table};
+use c10m_operator::{controller, leader, table};
 
 #[derive(Parser)]
 #[command(
@@ -49,6 +49,31 @@ enum Command {
         /// ceilings); read once at start. Default: the built-in policy.
         #[arg(long, env = "C10M_POLICY_FILE")]
         policy_file: Option<PathBuf>,
+        /// Run as one of several replicas: only the holder of the Lease
+        /// --leader-elect-lease acts (installs the CRD, watches, reconciles);
+        /// the others serve /healthz and /metrics and wait. Off by default for a
+        /// single process; the Helm chart turns it on.
+        #[arg(long, default_value_t = false, action = clap::ArgAction::Set, env = "C10M_LEADER_ELECT")]
+        leader_elect: bool,
+        /// Name of the leader Lease (coordination.k8s.io/v1).
+        #[arg(long, default_value = "c10m-operator", env = "C10M_LEADER_ELECT_LEASE")]
+        leader_elect_lease: String,
+        /// Namespace of the leader Lease (default: the pod's own namespace, or
+        /// the kubeconfig context's).
+        #[arg(long, env = "POD_NAMESPACE")]
+        leader_elect_namespace: Option<String>,
+        /// Seconds the Lease stays valid after a renewal: the longest a
+        /// failover waits for a leader that died without releasing it.
+        #[arg(long, default_value_t = 15, env = "C10M_LEADER_ELECT_LEASE_DURATION")]
+        leader_elect_lease_duration: u64,
+        /// Seconds between renewals by the leader.
+        #[arg(long, default_value_t = 5, env = "C10M_LEADER_ELECT_RENEW_PERIOD")]
+        leader_elect_renew_period: u64,
+        /// Seconds after its last renewal at which a leader that could not renew
+        /// stops and exits (less than the lease duration, so it stops before
+        /// another replica may take the Lease).
+        #[arg(long, default_value_t = 10, env = "C10M_LEADER_ELECT_RENEW_DEADLINE")]
+        leader_elect_renew_deadline: u64,
     },
     /// Print the ConnectionFleet CustomResourceDefinition as YAML.
     Crd,
@@ -284,9 +309,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_addr,
             prometheus_url,
             policy_file,
+            leader_elect,
+            leader_elect_lease,
+            leader_elect_namespace,
+            leader_elect_lease_duration,
+            leader_elect_renew_period,
+            leader_elect_renew_deadline,
         } => {
             // A policy that cannot be read stops the operator before it acts.
             let policy = Policy::load(policy_file.as_deref())?;
+            let instance = std::env::var("POD_NAME").ok();
+            let leader = leader_elect
+                .then(|| leader::LeaderConfig {
+                    lease_name: leader_elect_lease,
+                    namespace: leader_elect_namespace.filter(|n| !n.is_empty()),
+                    identity: leader::identity(instance.as_deref()),
+                    lease_duration: leader_elect_lease_duration,
+                    renew_period: leader_elect_renew_period,
+                    renew_deadline: leader_elect_renew_deadline,
+                })
+                .map(|l| l.validate().map(|()| l))
+                .transpose()?;
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,kube=warn".into());
             use std::io::IsTerminal;
@@ -305,13 +348,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .context("cannot build a Kubernetes client")?;
                 let config = controller::RunConfig {
                     namespace,
-                    instance: std::env::var("POD_NAME").ok(),
+                    instance,
                     manage_crd,
                     metrics_addr: (!metrics_addr.is_empty()).then_some(metrics_addr),
                     prometheus_url: prometheus_url.filter(|u| !u.is_empty()),
                     policy,
                 };
-                controller::run(client, config).await
+                match leader {
+                    None => controller::run(client, config).await,
+                    Some(leader) => {
+                        let metrics = controller::serve_metrics(config.metrics_addr.clone());
+                        leader::run(client, config, leader, metrics).await
+                    }
+                }
             })
         }
     }

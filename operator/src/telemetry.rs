@@ -11,6 +11,7 @@ use axum::routing::get;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -29,6 +30,9 @@ pub struct Metrics {
     pub reconciliations: Family<ResultLabel, Counter>,
     /// `c10m_operator_reconcile_duration_seconds`: seconds per reconcile.
     pub reconcile_duration: Histogram,
+    /// `c10m_operator_leader`: 1 while this replica acts (holds the leader
+    /// Lease, or runs without leader election), else 0.
+    pub leader: Gauge,
 }
 
 impl Default for Metrics {
@@ -48,10 +52,17 @@ impl Default for Metrics {
             prometheus_client::registry::Unit::Seconds,
             reconcile_duration.clone(),
         );
+        let leader = Gauge::default();
+        registry.register(
+            "leader",
+            "1 while this replica is the leader that reconciles (always 1 without --leader-elect)",
+            leader.clone(),
+        );
         Metrics {
             registry,
             reconciliations,
             reconcile_duration,
+            leader,
         }
     }
 }
@@ -64,6 +75,11 @@ impl Metrics {
             .get_or_create(&ResultLabel { result })
             .inc();
         self.reconcile_duration.observe(took.as_secs_f64());
+    }
+
+    /// Sets `c10m_operator_leader`.
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.set(i64::from(leader));
     }
 
     /// The metrics in the OpenMetrics text format.
@@ -128,5 +144,8 @@ mod tests {
             text.contains("c10m_operator_reconcile_duration_seconds_count 3"),
             "{text}"
         );
+        assert!(text.contains("c10m_operator_leader 0"), "{text}");
+        m.set_leader(true);
+        assert!(m.encode().contains("c10m_operator_leader 1"));
     }
 }
