@@ -549,6 +549,10 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
         !rendered.contains("kind: ServiceMonitor"),
         "no ServiceMonitor API in this cluster"
     );
+    assert!(
+        !rendered.contains("kind: PrometheusRule"),
+        "no PrometheusRule API in this cluster"
+    );
     let out = kubectl_with(
         &["apply", "--dry-run=server", "-n", &ns.0, "-f", "-"],
         Some(&rendered),
@@ -593,6 +597,9 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
     // The ServiceMonitor is rendered when the cluster serves its API.
     let (ok, with_sm) = template(&["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]);
     assert!(ok && with_sm.contains("kind: ServiceMonitor"), "{with_sm}");
+    // So is the PrometheusRule (the alerts), when it serves that API.
+    let (ok, with_pr) = template(&["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]);
+    assert!(ok && with_pr.contains("kind: PrometheusRule"), "{with_pr}");
     // values.schema.json refuses bad values, naming them.
     let (ok, out) = template(&["--set", "logFormat=xml"]);
     assert!(!ok && out.contains("logFormat"), "{out}");
@@ -670,6 +677,61 @@ fn rendered(extra: &[&str]) -> Vec<Value> {
     let (ok, out) = template(extra);
     assert!(ok, "helm template {extra:?}: {out}");
     manifests(&out)
+}
+
+/// The PrometheusRule holds the groups of rules/c10m.rules.yaml (the file
+/// promtool tests) unchanged, carries the extra labels a ruleSelector wants,
+/// and is rendered only when the API exists and it is enabled.
+#[test]
+fn the_prometheus_rule_is_the_tested_rule_file() {
+    const API: &str = "monitoring.coreos.com/v1/PrometheusRule";
+    let objs = rendered(&[
+        "--api-versions",
+        API,
+        "--set",
+        "prometheusRule.additionalLabels.release=kube-prometheus-stack",
+    ]);
+    let pr = only(&objs, "PrometheusRule");
+    assert_eq!(pr["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(pr["metadata"]["labels"]["release"], "kube-prometheus-stack");
+    let file =
+        std::fs::read_to_string(workspace().join("charts/c10m-operator/rules/c10m.rules.yaml"))
+            .unwrap();
+    let file: Value = serde_yaml::from_str(&file).unwrap();
+    assert_eq!(pr["spec"]["groups"], file["groups"]);
+    let alerts: Vec<&str> = pr["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["alert"].as_str())
+        .collect();
+    for alert in [
+        "C10mFleetNearCapacity",
+        "C10mSocketMemoryNearTcpMemPressure",
+        "C10mMetricsUnavailable",
+        "C10mKernelDrift",
+        "C10mRolloutStuck",
+        "C10mShardRestarting",
+    ] {
+        assert!(alerts.contains(&alert), "{alert} missing from {alerts:?}");
+    }
+    let kinds = |extra: &[&str]| -> Vec<Value> {
+        rendered(extra)
+            .into_iter()
+            .filter(|o| o["kind"] == "PrometheusRule")
+            .collect()
+    };
+    assert!(kinds(&[]).is_empty(), "no API, no PrometheusRule");
+    assert!(
+        kinds(&[
+            "--api-versions",
+            API,
+            "--set",
+            "prometheusRule.enabled=false"
+        ])
+        .is_empty(),
+        "disabled"
+    );
 }
 
 #[test]
