@@ -18,6 +18,8 @@ pub enum ConditionType {
     MetricsAvailable,
     /// The plan's sysctls are all applied.
     SysctlsApplied,
+    /// Some shard runs under kernel settings below its plan.
+    KernelDrift,
 }
 
 impl ConditionType {
@@ -29,6 +31,7 @@ impl ConditionType {
             ConditionType::Degraded => "Degraded",
             ConditionType::MetricsAvailable => "MetricsAvailable",
             ConditionType::SysctlsApplied => "SysctlsApplied",
+            ConditionType::KernelDrift => "KernelDrift",
         }
     }
 }
@@ -121,11 +124,14 @@ pub enum Reason {
     Rebalancing,
     /// A shed order failed (event).
     ShedFailed,
+    // --- kernel drift ---
+    /// A shard runs under a kernel setting below its plan (condition, event).
+    BelowPlan,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 38] = [
+    pub const ALL: [Reason; 39] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -164,6 +170,7 @@ impl Reason {
         Reason::ScaledIn,
         Reason::Rebalancing,
         Reason::ShedFailed,
+        Reason::BelowPlan,
     ];
 
     /// The reason spelled `s`, if it is one of the operator's.
@@ -212,6 +219,7 @@ impl Reason {
             Reason::ScaledIn => "ScaledIn",
             Reason::Rebalancing => "Rebalancing",
             Reason::ShedFailed => "ShedFailed",
+            Reason::BelowPlan => "BelowPlan",
         }
     }
 }

@@ -15,8 +15,8 @@ use crate::api::sysctl::join_names;
 use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
 use crate::plan::drain::{DRAIN_ACCEPT_SECONDS, DRAIN_SLACK_SECONDS, drain_timeout_seconds};
 use crate::reason::ConditionType::{
-    self, Degraded as DEGRADED, MetricsAvailable as METRICS_AVAILABLE, Progressing as PROGRESSING,
-    Ready as READY, SysctlsApplied as SYSCTLS_APPLIED,
+    self, Degraded as DEGRADED, KernelDrift as KERNEL_DRIFT, MetricsAvailable as METRICS_AVAILABLE,
+    Progressing as PROGRESSING, Ready as READY, SysctlsApplied as SYSCTLS_APPLIED,
 };
 use crate::reason::{Announcement, EventAction, Reason};
 
@@ -440,7 +440,9 @@ fn drain_cut_message(plan: &Plan) -> String {
 }
 
 /// Folds one sync of the metrics loop into `status`: live connections, the
-/// autoscaler's and rebalancer's state, and the MetricsAvailable condition.
+/// autoscaler's and rebalancer's state, the MetricsAvailable condition, and
+/// the KernelDrift condition when the shards' kernel settings were read
+/// (kept as it was when they were not; dropped with the loop).
 pub fn apply_loop(
     status: &mut ConnectionFleetStatus,
     looped: &crate::autoscale::Outcome,
@@ -464,7 +466,18 @@ pub fn apply_loop(
         ),
         None => status
             .conditions
-            .retain(|c| c.type_ != METRICS_AVAILABLE.as_str()),
+            .retain(|c| c.type_ != METRICS_AVAILABLE.as_str() && c.type_ != KERNEL_DRIFT.as_str()),
+    }
+    if let Some((drifted, reason, message)) = &looped.kernel_drift {
+        set_condition(
+            &mut status.conditions,
+            KERNEL_DRIFT,
+            *drifted,
+            *reason,
+            message.clone(),
+            generation,
+            now,
+        );
     }
 }
 
@@ -834,6 +847,44 @@ mod tests {
         );
         let s3 = next_status(Some(&s2), 2, 3_000_000, &done, &t(3));
         assert_eq!(announcements(Some(&s2), &s3, &done, &[]), vec![]);
+    }
+
+    /// KernelDrift follows each kernel read, stays as it was when the
+    /// settings were not read, and goes with the loop.
+    #[test]
+    fn kernel_drift_follows_the_reads_and_goes_with_the_loop() {
+        let p = a_plan();
+        let mut s = next_status(None, 1, 1_000_000, &rolled_out(&p), &t(1));
+        let drifted = crate::autoscale::Outcome {
+            metrics_condition: Some((true, Reason::MetricsRead, "read".into())),
+            kernel_drift: Some((
+                true,
+                Reason::BelowPlan,
+                "shard p on node n: nofile is 1024, planned 20000".into(),
+            )),
+            ..Default::default()
+        };
+        apply_loop(&mut s, &drifted, 1, &t(2));
+        let c = condition(&s, KERNEL_DRIFT).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "BelowPlan")
+        );
+        assert!(c.message.contains("nofile is 1024"));
+        let unread = crate::autoscale::Outcome {
+            kernel_drift: None,
+            ..drifted.clone()
+        };
+        apply_loop(&mut s, &unread, 1, &t(3));
+        assert_eq!(condition(&s, KERNEL_DRIFT).unwrap().status, "True");
+        let fixed = crate::autoscale::Outcome {
+            kernel_drift: Some((false, Reason::AsPlanned, "as planned".into())),
+            ..drifted.clone()
+        };
+        apply_loop(&mut s, &fixed, 1, &t(4));
+        assert_eq!(condition(&s, KERNEL_DRIFT).unwrap().reason, "AsPlanned");
+        apply_loop(&mut s, &crate::autoscale::Outcome::default(), 1, &t(5));
+        assert!(condition(&s, KERNEL_DRIFT).is_none());
     }
 
     #[test]

@@ -37,6 +37,8 @@ pub struct Memory {
     pub history: policy::History,
     /// Rebalancer window and quiet period.
     pub rebalance: rebalance::State,
+    /// Kernel drifts announced (pod, setting).
+    pub drift: super::drift::Announced,
 }
 
 /// Everything [`decide`] looks at.
@@ -149,6 +151,9 @@ pub struct Outcome {
     pub rebalance: Option<RebalanceStatus>,
     /// Events to publish.
     pub events: Vec<Announcement>,
+    /// `KernelDrift` condition: (drifted, reason, message); `None` when the
+    /// shards' kernel settings were not read in this sync.
+    pub kernel_drift: Option<(bool, Reason, String)>,
     /// Time until the next sync, when the loop is on.
     pub resync: Option<Duration>,
 }
@@ -451,6 +456,7 @@ mod tests {
                 shards,
                 socket_memory_bytes: None,
             })),
+            kernel: None,
         }
     }
 
@@ -1100,7 +1106,11 @@ mod tests {
             }),
             _ => None,
         };
-        Observation { pods, metrics }
+        Observation {
+            pods,
+            metrics,
+            kernel: None,
+        }
     }
 
     /// Runs `run`, calling `check(input, decision)` after every sync.

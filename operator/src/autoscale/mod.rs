@@ -15,10 +15,13 @@
 //! - [`act`]: marks the victims (pod-deletion-cost) and sends the shed
 //!   orders, turning failed orders into events;
 //! - [`Decision::settle`]: folds what was sent into the [`Outcome`] the
-//!   reconcile applies and reports.
+//!   reconcile applies and reports;
+//! - [`drift`]: the kernel settings the shards report against the plan
+//!   (`KernelDrift` condition, a Warning per new drift).
 
 pub mod act;
 pub mod decide;
+pub mod drift;
 pub mod observe;
 pub mod policy;
 pub mod prometheus;
@@ -69,5 +72,12 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
     let input = DecideInput::new(i.fleet, i.plan, i.current, &observation, i.now, i.wall);
     let decision = decide::decide(&input, memory); // no client required
     let acted = act::act(&decision, i.pods, i.http, i.token).await?; // client required
-    Ok(decision.settle(acted)) // no client required
+    let mut outcome = decision.settle(acted); // no client required
+    if let Some(kernel) = &observation.kernel {
+        let found = drift::drifts(i.plan, kernel);
+        let (condition, events) = drift::judge(&found, &mut memory.drift);
+        outcome.kernel_drift = Some(condition);
+        outcome.events.extend(events);
+    }
+    Ok(outcome)
 }

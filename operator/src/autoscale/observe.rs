@@ -11,6 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::ListParams;
 
+use super::drift::{self, ShardKernel};
 use super::prometheus::{Expected, FleetMetrics, MetricsError, Reader};
 use crate::api::{ConnectionFleet, Plan};
 use crate::names::FLEET_LABEL;
@@ -40,6 +41,10 @@ pub struct Observation {
     /// The metrics read, or why they cannot be trusted; `None` when they
     /// were not read (the operator has no Prometheus, or the loop is off).
     pub metrics: Option<Result<FleetMetrics, MetricsError>>,
+    /// The kernel settings each running shard reports; `None` when they
+    /// were not read, or the read failed (the drift condition then stays
+    /// as it was).
+    pub kernel: Option<Vec<ShardKernel>>,
 }
 
 impl Observation {
@@ -69,9 +74,18 @@ pub async fn observe(
     let ns = fleet.metadata.namespace.clone().unwrap_or_default();
     let name = fleet.metadata.name.clone().unwrap_or_default();
     let uid = fleet.metadata.uid.clone().unwrap_or_default();
+    let own = own_pods(pods, &ns, &name, &uid).await?;
+    let nodes: Vec<(String, Option<String>)> = own
+        .iter()
+        .map(|p| {
+            let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
+            (p.metadata.name.clone().unwrap_or_default(), node)
+        })
+        .collect();
     let mut seen = Observation {
-        pods: shard_pods(pods, &ns, &name, &uid).await?,
+        pods: own.into_iter().map(ShardPod::from).collect(),
         metrics: None,
+        kernel: None,
     };
     let expected = Expected {
         pods: seen.running(),
@@ -81,6 +95,21 @@ pub async fn observe(
     let read = reader
         .read(&fleet.spec.metrics, &ns, &name, &expected)
         .await;
+    // Prometheus away or the spec refused: no second query to time out.
+    if !matches!(
+        read,
+        Err(MetricsError::Unreachable(_) | MetricsError::Refused(_))
+    ) {
+        let running: Vec<(String, Option<String>)> = nodes
+            .into_iter()
+            .filter(|(pod, _)| expected.pods.contains(pod))
+            .collect();
+        seen.kernel = reader
+            .read_kernel(&fleet.spec.metrics, &ns, &name)
+            .await
+            .ok()
+            .map(|samples| drift::group(&samples, &running));
+    }
     seen.metrics = Some(read);
     Ok(seen)
 }
@@ -96,6 +125,20 @@ pub async fn shard_pods(
     fleet: &str,
     fleet_uid: &str,
 ) -> Result<Vec<ShardPod>, kube::Error> {
+    Ok(own_pods(api, ns, fleet, fleet_uid)
+        .await?
+        .into_iter()
+        .map(ShardPod::from)
+        .collect())
+}
+
+/// The fleet's pods as the API server has them (see [`shard_pods`]).
+pub async fn own_pods(
+    api: &Api<Pod>,
+    ns: &str,
+    fleet: &str,
+    fleet_uid: &str,
+) -> Result<Vec<Pod>, kube::Error> {
     let by_label = ListParams::default().labels(&format!("{FLEET_LABEL}={fleet}"));
     let pods = api.list(&by_label).await?;
     if pods.items.is_empty() {
@@ -113,7 +156,6 @@ pub async fn shard_pods(
         .items
         .into_iter()
         .filter(|p| controller_uid(&p.metadata).is_some_and(|u| own.contains(u)))
-        .map(ShardPod::from)
         .collect())
 }
 
@@ -272,6 +314,7 @@ mod tests {
                 },
             ],
             metrics: None,
+            kernel: None,
         };
         assert_eq!(seen.running(), vec!["p", "q"]);
     }

@@ -360,6 +360,21 @@ impl Reader {
         }
     }
 
+    /// Reads the kernel settings the fleet's shards report
+    /// ([`super::drift::KERNEL_QUERY`], confined like every query of the
+    /// fleet): one sample per shard and setting, as Prometheus returns them.
+    pub async fn read_kernel(
+        &self,
+        spec: &MetricsSpec,
+        namespace: &str,
+        fleet: &str,
+    ) -> Result<Vec<(HashMap<String, String>, f64)>, MetricsError> {
+        let timeout = Duration::from_secs(spec.query_timeout_seconds.max(1) as u64);
+        let policy = matchers_for(&self.confinement, namespace);
+        let q = render_query(super::drift::KERNEL_QUERY, namespace, fleet, &policy)?;
+        self.vector(&q, timeout).await
+    }
+
     /// Reads the fleet's metrics and [`validate`]s them against `expected`.
     pub async fn read(
         &self,

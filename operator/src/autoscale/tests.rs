@@ -123,6 +123,7 @@ async fn sync(answers: Answers, pods: Vec<ShardPod>) -> (Observation, Decision) 
     let mut seen = Observation {
         pods,
         metrics: None,
+        kernel: None,
     };
     let expected = Expected {
         pods: seen.running(),
