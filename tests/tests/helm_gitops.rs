@@ -175,6 +175,16 @@ fn only<'a>(objs: &'a [Value], kind: &str) -> &'a Value {
     found[0]
 }
 
+/// The one object of `kind` in namespace `ns` among `objs`.
+fn only_in<'a>(objs: &'a [Value], kind: &str, ns: &str) -> &'a Value {
+    let found: Vec<&Value> = objs
+        .iter()
+        .filter(|o| o["kind"] == kind && o["metadata"]["namespace"] == ns)
+        .collect();
+    assert_eq!(found.len(), 1, "one {kind} in {ns} in {objs:?}");
+    found[0]
+}
+
 /// An RBAC object's rules, each as compact JSON (comparable as strings).
 fn rules(obj: &Value) -> Vec<String> {
     obj["rules"]
@@ -570,6 +580,9 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
         "clusterrolebinding.rbac",
         "service",
         "deployment.apps",
+        "poddisruptionbudget.policy",
+        "role.rbac",
+        "rolebinding.rbac",
     ] {
         assert!(
             text.contains(kind) && text.contains("(server dry run)"),
@@ -760,8 +773,9 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
     assert_eq!(crb["roleRef"]["kind"], "ClusterRole");
     assert_eq!(crb["roleRef"]["name"], cr["metadata"]["name"]);
 
-    // Every namespaced right, in the watched namespace only.
-    let role = only(&namespaced, "Role");
+    // Every namespaced right, in the watched namespace only (beside it, in
+    // the release namespace, the leader-election Role: its leases only).
+    let role = only_in(&namespaced, "Role", "team-a");
     assert_eq!(role["metadata"]["namespace"], "team-a");
     for (group, resource, verbs) in [
         (
@@ -790,8 +804,7 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
             "Role lacks {verbs:?} on {resource}: {role}"
         );
     }
-    let binding = only(&namespaced, "RoleBinding");
-    assert_eq!(binding["metadata"]["namespace"], "team-a");
+    let binding = only_in(&namespaced, "RoleBinding", "team-a");
     assert_eq!(binding["roleRef"]["kind"], "Role");
     assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
     for b in [binding, crb] {
@@ -817,7 +830,7 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
 
     // Without watchNamespace the rendering is as before: one ClusterRole
     // with the same rules (the Role's, then nodes' reads), plus CRD rights
-    // when crd.manage; no Role.
+    // when crd.manage; no Role but the leader-election one.
     let sorted = |mut v: Vec<String>| {
         v.sort();
         v
@@ -826,7 +839,8 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
     assert!(
         !wide
             .iter()
-            .any(|o| o["kind"] == "Role" || o["kind"] == "RoleBinding")
+            .any(|o| (o["kind"] == "Role" || o["kind"] == "RoleBinding")
+                && o["metadata"]["name"] != "c10m-c10m-operator-leader-election")
     );
     let wide_cr = only(&wide, "ClusterRole");
     assert_eq!(
@@ -908,5 +922,82 @@ fn cluster_wide_release_manages_its_crd_with_the_chart_rbac() {
         op.log_text().contains("CRD applied and established"),
         "{}",
         op.log_text()
+    );
+}
+
+/// The chart runs two leader-elected replicas behind a PDB, with a Role on
+/// its Lease only; one replica without leader election is the old
+/// single-operator rendering; several without it are refused.
+#[test]
+fn chart_runs_two_leader_elected_replicas_with_a_pdb() {
+    let objs = rendered(&[]);
+    let dep = only(&objs, "Deployment");
+    assert_eq!(dep["spec"]["replicas"], 2);
+    assert_eq!(dep["spec"]["strategy"]["type"], "RollingUpdate");
+    assert_eq!(
+        dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"],
+        0
+    );
+    let args = dep["spec"]["template"]["spec"]["containers"][0]["args"].clone();
+    for arg in [
+        "--leader-elect=true",
+        "--leader-elect-lease=c10m-c10m-operator",
+        "--leader-elect-namespace=c10m-system",
+        "--leader-elect-lease-duration=15",
+        "--leader-elect-renew-period=5",
+        "--leader-elect-renew-deadline=10",
+    ] {
+        assert!(
+            args.as_array().unwrap().contains(&arg.into()),
+            "{arg} in {args}"
+        );
+    }
+    let pdb = only(&objs, "PodDisruptionBudget");
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    assert_eq!(
+        pdb["spec"]["selector"]["matchLabels"],
+        dep["spec"]["selector"]["matchLabels"]
+    );
+    let role = only_in(&objs, "Role", "c10m-system");
+    assert_eq!(
+        role["metadata"]["name"],
+        "c10m-c10m-operator-leader-election"
+    );
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+             "resourceNames": ["c10m-c10m-operator"], "verbs": ["get", "update", "patch"]},
+        ])
+    );
+    let binding = only_in(&objs, "RoleBinding", "c10m-system");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+
+    let single = rendered(&[
+        "--set",
+        "replicas=1",
+        "--set",
+        "leaderElection.enabled=false",
+    ]);
+    let dep = only(&single, "Deployment");
+    assert_eq!(dep["spec"]["replicas"], 1);
+    assert_eq!(dep["spec"]["strategy"]["type"], "Recreate");
+    assert!(!dep.to_string().contains("--leader-elect"));
+    assert!(
+        !single
+            .iter()
+            .any(|o| o["kind"] == "PodDisruptionBudget" || o["kind"] == "Role")
+    );
+
+    let (ok, out) = template(&["--set", "leaderElection.enabled=false"]);
+    assert!(
+        !ok && out.contains("needs leaderElection.enabled=true"),
+        "{out}"
+    );
+    let (ok, out) = template(&["--set", "leaderElection.renewDeadlineSeconds=20"]);
+    assert!(
+        !ok && out.contains("renewPeriodSeconds < renewDeadlineSeconds"),
+        "{out}"
     );
 }
