@@ -279,6 +279,17 @@ impl Operator {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILLs the process (no clean-up, no Lease release) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// `None` while the process runs, else how it ended.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().unwrap()
