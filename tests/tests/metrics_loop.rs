@@ -481,3 +481,78 @@ fn d_scale_in_removes_the_least_loaded_shards_with_graceful_closes() {
             .any(|(_, r, _)| r == "ScaledIn")
     );
 }
+
+#[test]
+fn e_kernel_drift_names_the_shard_running_below_its_planned_nofile() {
+    let s = Scenario::start("ml-drift", "drift");
+    // No sysctls planned (none can be applied on the pod runner's host):
+    // nofile is the setting the plan sets that a shard can run below.
+    let (ok, out) = apply(
+        s.ns(),
+        &fleet("drift", 800, &autoscaling("  sysctls:\n    mode: None\n")),
+    );
+    assert!(ok, "{out}");
+    s.wait_targets(2);
+    let f = s.wait_fleet("KernelDrift=False AsPlanned", "drift", |f, _| {
+        condition(f, "KernelDrift").is_some_and(|c| c["status"] == "False")
+    });
+    assert_eq!(condition(&f, "KernelDrift").unwrap()["reason"], "AsPlanned");
+    let planned = f["status"]["plan"]["nofile"].as_i64().expect("plan.nofile");
+    let period = 2.0;
+    // One shard's server restarts with RLIMIT_NOFILE below the plan.
+    let lowered = (planned / 2).max(256);
+    assert!(lowered < planned, "plan.nofile {planned}");
+    let victim = pods(s.ns(), "drift")[0].name.clone();
+    let annotated = Instant::now();
+    kubectl(&[
+        "annotate",
+        "-n",
+        s.ns(),
+        "pod",
+        &victim,
+        &format!("c10m.dev/test-rlimit-nofile={lowered}"),
+    ]);
+    // From the first scrape of the lowered limit (what the operator can see).
+    wait_for("the lowered nofile scraped", MINUTE, || {
+        let q = format!(r#"c10m_fd_limit{{namespace="{}",pod="{victim}"}}"#, s.ns());
+        let v = try_prom_query(&s.prom, &q).ok()?;
+        (v.len() == 1 && v[0].1 as i64 == lowered).then_some(())
+    });
+    let scraped = Instant::now();
+    let f = s.wait_fleet("KernelDrift=True", "drift", |f, _| {
+        condition(f, "KernelDrift").is_some_and(|c| c["status"] == "True")
+    });
+    let seen = scraped.elapsed().as_secs_f64();
+    let c = condition(&f, "KernelDrift").unwrap();
+    assert_eq!(c["reason"], "BelowPlan");
+    let message = c["message"].as_str().unwrap();
+    let node = fleet_pods(s.ns(), "drift")
+        .iter()
+        .find(|p| p["metadata"]["name"] == victim.as_str())
+        .and_then(|p| p["spec"]["nodeName"].as_str().map(String::from))
+        .expect("the shard's node");
+    let want = format!("shard {victim} on node {node}: nofile is {lowered}, planned {planned}");
+    assert_eq!(message, want, "only the lowered shard drifted");
+    let warned = wait_for("the BelowPlan Warning", MINUTE, || {
+        events_for(s.ns(), "drift")
+            .into_iter()
+            .find(|(t, r, note)| t == "Warning" && r == "BelowPlan" && note.contains(&want))
+    });
+    println!("FIGURE kernel_drift_condition_after_scrape_s={seen:.1}");
+    println!(
+        "FIGURE kernel_drift_condition_after_annotation_s={:.1}",
+        annotated.elapsed().as_secs_f64()
+    );
+    println!("kernel drift event: {warned:?}");
+    assert!(
+        seen <= 2.0 * period,
+        "KernelDrift=True {seen:.1} s after the lowered limit was scraped, more than two sync periods ({period} s)"
+    );
+    // Said once: the next syncs add no second Warning for it.
+    std::thread::sleep(Duration::from_secs_f64(2.0 * period));
+    let warnings = events_for(s.ns(), "drift")
+        .into_iter()
+        .filter(|(_, r, _)| r == "BelowPlan")
+        .count();
+    assert_eq!(warnings, 1, "one Warning per drift");
+}

@@ -25,6 +25,13 @@
 //! (a kubelet takes up to its sync period); others are read once, at start.
 //! Other volume kinds are not materialized.
 //!
+//! For tests only, a pod annotated `c10m.dev/test-rlimit-nofile: N` has its
+//! server started with RLIMIT_NOFILE at N (soft and hard) and without
+//! CAP_SYS_RESOURCE, so it cannot raise the limit to its plan: a shard on a
+//! node whose limits drifted below the plan. Setting or changing the
+//! annotation on a running pod restarts its server (SIGTERM, then a start
+//! with the new limit).
+//!
 //! Invariants: at most one server per pod UID, and at most one live server
 //! per IP (a new pod that reuses the IP of a draining one waits for it).
 
@@ -95,6 +102,20 @@ struct Server {
     killed: bool,
     /// The Secret volumes materialized for it.
     volumes: Vec<SecretVolume>,
+    /// The [`TEST_RLIMIT_NOFILE`] it was started with.
+    nofile: Option<u64>,
+}
+
+/// Pod annotation (tests only): start the pod's server with RLIMIT_NOFILE
+/// lowered to this many descriptors, beyond its reach to raise.
+const TEST_RLIMIT_NOFILE: &str = "c10m.dev/test-rlimit-nofile";
+
+/// `CAP_SYS_RESOURCE` (linux/capability.h; libc does not define it).
+const CAP_SYS_RESOURCE: libc::c_ulong = 24;
+
+/// The pod's [`TEST_RLIMIT_NOFILE`], when set to a number.
+fn test_nofile(pod: &Pod) -> Option<u64> {
+    pod.annotations().get(TEST_RLIMIT_NOFILE)?.parse().ok()
 }
 
 /// Default file mode of a Secret volume (`defaultMode` unset), as the API
@@ -365,6 +386,18 @@ impl Runner {
         }
         self.kill_overdue(now);
 
+        // Restart the servers whose pods' test nofile changed.
+        for (uid, s) in &mut self.servers {
+            let Some(pod) = by_uid.get(uid) else { continue };
+            if s.term.is_some() || test_nofile(pod) == s.nofile {
+                continue;
+            }
+            info!(pod = %s.pod, pid = s.pid, nofile = ?test_nofile(pod),
+                  "{TEST_RLIMIT_NOFILE} changed: SIGTERM, then a restart");
+            signal_pid(s.pid, libc::SIGTERM);
+            s.term = Some((now, now + s.grace));
+        }
+
         // Start servers for runnable pods that have none.
         let busy: HashSet<String> = self.servers.values().map(|s| s.ip.clone()).collect();
         for (uid, pod) in &by_uid {
@@ -428,7 +461,7 @@ impl Runner {
         delay
     }
 
-    #[allow(unsafe_code)] // pre_exec(prctl) for PR_SET_PDEATHSIG
+    #[allow(unsafe_code)] // pre_exec(prctl, setrlimit) for PR_SET_PDEATHSIG and the test nofile
     async fn start(&mut self, uid: &str, pod: &Pod, ip: &str) -> Result<()> {
         let spec = pod.spec.as_ref().context("pod has no spec")?;
         let container = spec
@@ -502,11 +535,25 @@ impl Runner {
         if let Ok(v) = std::env::var("RUST_LOG_SERVER") {
             cmd.env("RUST_LOG", v);
         }
-        // SAFETY: prctl is async-signal-safe; nothing else runs in the child.
+        let nofile = test_nofile(pod);
+        // SAFETY: prctl and setrlimit are async-signal-safe; nothing else
+        // runs in the child.
         unsafe {
             // The server dies with the runner, even if the runner is killed.
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                if let Some(n) = nofile {
+                    let lim = libc::rlimit {
+                        rlim_cur: n as libc::rlim_t,
+                        rlim_max: n as libc::rlim_t,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // Out of the bounding set: a server exec'd as root gets
+                    // no CAP_SYS_RESOURCE to raise the limit back.
+                    libc::prctl(libc::PR_CAPBSET_DROP, CAP_SYS_RESOURCE, 0, 0, 0);
+                }
                 Ok(())
             });
         }
@@ -517,7 +564,7 @@ impl Runner {
         let grace = spec
             .termination_grace_period_seconds
             .map_or(DEFAULT_GRACE, |g| Duration::from_secs(g.max(0) as u64));
-        info!(pod = %key, pid, %ip, log = %log_path.display(), "started c10m-server");
+        info!(pod = %key, pid, %ip, log = %log_path.display(), ?nofile, "started c10m-server");
         self.servers.insert(
             uid.to_string(),
             Server {
@@ -528,6 +575,7 @@ impl Runner {
                 term: None,
                 killed: false,
                 volumes,
+                nofile,
             },
         );
         let exits = self.exits.clone();
