@@ -379,6 +379,18 @@ mod tests {
         assert_eq!(judge(&d[1..], &mut announced).1.len(), 1);
     }
 
+    /// The kernel query reads only the fleet's own series, and the policy's.
+    #[test]
+    fn the_kernel_query_is_confined_like_every_query_of_the_fleet() {
+        let policy = vec![("tenant".to_string(), "a".to_string())];
+        let q =
+            super::super::prometheus::render_query(KERNEL_QUERY, "ns", "edge", &policy).unwrap();
+        assert_eq!(
+            q,
+            r#"c10m_fd_limit{fleet="edge",namespace="ns",tenant="a"} or c10m_kernel_sysctl{fleet="edge",namespace="ns",tenant="a"}"#
+        );
+    }
+
     #[test]
     fn many_drifts_make_one_short_message() {
         let shards: Vec<ShardKernel> = (0..6)
