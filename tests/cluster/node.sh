@@ -386,11 +386,11 @@ node_schedulable() {
 }
 
 wait_until() { # DESCRIPTION TIMEOUT COMMAND...
-  local what=$1 deadline=$(($(date +%s) + $2))
+  local what=$1 timeout=$2 deadline=$(($(date +%s) + $2))
   shift 2
   until "$@"; do
     (($(date +%s) < deadline)) || {
-      echo "error: timed out after $2 s waiting for $what" >&2
+      echo "error: timed out after $timeout s waiting for $what" >&2
       return 1
     }
     sleep 0.2
