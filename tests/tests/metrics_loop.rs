@@ -260,15 +260,22 @@ fn a_ramp_past_capacity_adds_shards_and_says_why() {
         "FIGURE scale_out_threshold_to_ready_seconds={:.1}",
         ready_after.as_secs_f64()
     );
-    let f = s.wait_fleet("all clients served by 4 shards", "ramp", |f, l| {
-        desired(f) >= 4 && l.values().sum::<i64>() >= 1500
-    });
+    // A full read: a shard added last reports nothing until its first
+    // scrape (MetricsAvailable=False PartialSamples meanwhile).
+    let f = s.wait_fleet(
+        "all clients served by 4 shards, every shard read",
+        "ramp",
+        |f, l| {
+            desired(f) >= 4
+                && l.values().sum::<i64>() >= 1500
+                && condition(f, "MetricsAvailable").is_some_and(|c| c["status"] == "True")
+        },
+    );
     assert!(
         desired(&f) <= 5,
         "1,500 connections at 400 per shard need 4 shards: {}",
         f["status"]["autoscaling"]
     );
-    assert_eq!(condition(&f, "MetricsAvailable").unwrap()["status"], "True");
     assert!(
         f["status"]["liveConnections"].as_i64().unwrap() >= 1400,
         "{}",
@@ -375,11 +382,14 @@ fn c_a_prometheus_outage_never_scales_down_and_recovers() {
     s.wait_targets(2);
     // 1,400 clients: 3.5 shards' worth at 400 each, beyond the 10 % tolerance of 3.
     let load = start_load(&s, 1400, 500, 120);
-    let f = s.wait_fleet("scaled out to 4", "outage", |f, l| {
-        desired(f) >= 4 && l.values().sum::<i64>() == 1400
+    // Each new shard reports no samples until its first scrape
+    // (MetricsAvailable=False PartialSamples, holding): wait for a full read.
+    let f = s.wait_fleet("scaled out to 4, every shard read", "outage", |f, l| {
+        desired(f) >= 4
+            && l.values().sum::<i64>() == 1400
+            && condition(f, "MetricsAvailable").is_some_and(|c| c["status"] == "True")
     });
     let scaled = desired(&f);
-    assert_eq!(condition(&f, "MetricsAvailable").unwrap()["status"], "True");
     // Prometheus goes away, and the load drops: nothing may scale down.
     Prometheus::stop();
     let report = load.finish();
