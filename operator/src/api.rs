@@ -16,7 +16,7 @@ pub mod sysctl;
 
 pub use status::{
     AutoscalingStatus, BytesPerConnection, ConnectionFleetStatus, LimitingFactor, Plan,
-    RebalanceStatus,
+    RebalanceStatus, Shape, ShapeSource,
 };
 
 /// Most connections one fleet may declare (10^10): beyond any single fleet
@@ -148,6 +148,11 @@ pub struct ConnectionFleetSpec {
     /// How a shard that goes away closes its connections.
     #[serde(default)]
     pub drain: DrainSpec,
+
+    /// What the fleet survives: the failure domain whose loss it absorbs
+    /// and how fast the survivors re-accept that domain's connections.
+    #[serde(default)]
+    pub availability: AvailabilitySpec,
 }
 
 /// HPA-like autoscaling on live connections. The declared `spec.connections`
@@ -367,6 +372,52 @@ impl Default for DrainSpec {
     }
 }
 
+/// The failure the fleet is planned to survive and its refill budget.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AvailabilitySpec {
+    /// The largest failure domain whose loss the fleet absorbs with its
+    /// declared connections still held: `Node` (the default: the busiest
+    /// node, at least one shard; the shards spread over at least two
+    /// nodes), `Shard` (one shard) or `None` (no spare capacity). The
+    /// survivors' connection caps hold every declared connection.
+    #[serde(default)]
+    pub failure_domain: FailureDomain,
+
+    /// Seconds within which the surviving shards can re-accept the lost
+    /// domain's connections, at the measured accept rate per worker
+    /// (`status.plan.refillSeconds`). Default 60.
+    #[serde(default = "default_refill_budget_seconds")]
+    #[schemars(range(min = 1, max = 86_400))]
+    pub refill_budget_seconds: i32,
+}
+
+fn default_refill_budget_seconds() -> i32 {
+    60
+}
+
+impl Default for AvailabilitySpec {
+    fn default() -> Self {
+        AvailabilitySpec {
+            failure_domain: FailureDomain::default(),
+            refill_budget_seconds: default_refill_budget_seconds(),
+        }
+    }
+}
+
+/// A failure domain of a fleet.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailureDomain {
+    /// One node: all the shards on the busiest node.
+    #[default]
+    Node,
+    /// One shard.
+    Shard,
+    /// Nothing: the fleet holds its declared connections only while every
+    /// shard runs.
+    None,
+}
+
 /// Backend cost model: what one connection costs in user space.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -395,6 +446,15 @@ pub struct Backend {
     #[schemars(range(min = 0, max = 100))]
     pub queued_percent: i32,
 
+    /// Percent of connections that are slow readers at peak: peers that
+    /// send and stop reading, so their socket buffers fill to the plan's
+    /// `tcp_rmem`/`tcp_wmem` bound (`status.plan.slowReaderBytes` each).
+    /// Charged against the pod (cgroup v2), node memory and `tcp_mem`.
+    /// Default 1.
+    #[serde(default = "default_slow_reader_percent")]
+    #[schemars(range(min = 0, max = 100))]
+    pub slow_reader_percent: i32,
+
     /// Connections one CPU can serve at the fleet's message rate; when set,
     /// caps connections per shard at this × shard.cpus. Unset: idle-ish
     /// connections, bounded by memory and file descriptors instead.
@@ -407,6 +467,10 @@ fn default_queued_percent() -> i32 {
     10
 }
 
+fn default_slow_reader_percent() -> i32 {
+    1
+}
+
 impl Default for Backend {
     fn default() -> Self {
         Backend {
@@ -414,6 +478,7 @@ impl Default for Backend {
             user_bytes_per_connection: None,
             protocol: Protocol::default(),
             queued_percent: default_queued_percent(),
+            slow_reader_percent: default_slow_reader_percent(),
             connections_per_cpu: None,
         }
     }
@@ -522,6 +587,38 @@ pub struct NodeProfile {
     /// false: the plan fits the kernel's defaults for those.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_network_namespace: Option<bool>,
+
+    /// The nodes' cgroup version, which decides what a connection charges
+    /// to the pod's memory limit: `v2` (the default; sockets and their
+    /// buffers are charged to the pod) or `v1` (without socket accounting:
+    /// only files, inodes and epoll items are). In a cluster the plan uses
+    /// `v1` only where every placeable node is labelled
+    /// `c10m.dev/cgroup-mode: v1` or this says `v1` and no node says `v2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_mode: Option<CgroupMode>,
+}
+
+/// A node's cgroup version, as it bears on memory charges.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupMode {
+    /// cgroup v2: socket memory (the socket and its buffers) is charged to
+    /// the pod that owns the socket.
+    #[default]
+    V2,
+    /// cgroup v1 without socket accounting (as the kubelet leaves it): the
+    /// socket object and its buffers are charged to no pod.
+    V1,
+}
+
+impl CgroupMode {
+    /// The name used in specs, labels and the plan.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CgroupMode::V2 => "v2",
+            CgroupMode::V1 => "v1",
+        }
+    }
 }
 
 /// Pattern of a memory quantity without a sign, with bounded parts: at most
@@ -560,10 +657,12 @@ fn quantity_schema(_: &mut SchemaGenerator) -> Schema {
 #[x_kube(validation = kube::core::Rule::new("self.maxShards >= self.minShards").message("shard.maxShards must be >= shard.minShards").field_path(".maxShards"))]
 pub struct ShardSpec {
     /// Whole CPUs per shard, pinned (requests = limits, Guaranteed QoS); one
-    /// worker thread per CPU.
-    #[serde(default = "default_shard_cpus")]
+    /// worker thread per CPU. Unset: the planner picks the shape (CPUs per
+    /// shard, so shards per node) that costs least per connection under
+    /// every constraint (`status.plan.shapeSource: Planner`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1024))]
-    pub cpus: i32,
+    pub cpus: Option<i32>,
 
     /// Percent of every limit (memory, file descriptors, tcp_mem, conntrack)
     /// kept free at the declared connections, 0–90.
@@ -583,9 +682,6 @@ pub struct ShardSpec {
     pub max_shards: i32,
 }
 
-fn default_shard_cpus() -> i32 {
-    8
-}
 fn default_headroom() -> i32 {
     20
 }
@@ -599,7 +695,7 @@ fn default_max_shards() -> i32 {
 impl Default for ShardSpec {
     fn default() -> Self {
         ShardSpec {
-            cpus: default_shard_cpus(),
+            cpus: None,
             headroom_percent: default_headroom(),
             min_shards: default_min_shards(),
             max_shards: default_max_shards(),
@@ -781,7 +877,10 @@ mod tests {
             serde_json::from_value(serde_json::json!({"connections": 5})).unwrap();
         assert_eq!(spec.backend.model, BackendModel::Epoll);
         assert_eq!(spec.backend.queued_percent, 10);
-        assert_eq!(spec.shard.cpus, 8);
+        assert_eq!(spec.backend.slow_reader_percent, 1);
+        assert_eq!(spec.shard.cpus, None);
+        assert_eq!(spec.availability.failure_domain, FailureDomain::Node);
+        assert_eq!(spec.availability.refill_budget_seconds, 60);
         assert_eq!(spec.shard.headroom_percent, 20);
         assert_eq!(spec.sysctls.mode, SysctlMode::InitContainer);
         assert_eq!(spec.server.port, 7000);

@@ -43,6 +43,10 @@ pub const NODE_SYS_RESOURCE_LABEL: &str = "c10m.dev/sys-resource";
 /// init container cannot raise node-level sysctls.
 pub const NODE_HOST_NETWORK_NAMESPACE_LABEL: &str = "c10m.dev/host-network-namespace";
 
+/// Node label: the node's cgroup version, `v1` or `v2`
+/// ([`crate::api::CgroupMode`]): what a connection charges to its pod.
+pub const NODE_CGROUP_MODE_LABEL: &str = "c10m.dev/cgroup-mode";
+
 /// Node annotation: the namespaced sysctls the node's kubelet allows besides
 /// the safe set (its `allowedUnsafeSysctls`, which the API does not show),
 /// in the kubelet's syntax: comma-separated names or `prefix*` patterns.

@@ -74,6 +74,11 @@ pub const DEFAULT_TCP_MEM_CEILING_PAGES: i64 = 1 << 24;
 /// entries (chosen: ~17 GB of conntrack slab at 256 B each).
 pub const DEFAULT_NF_CONNTRACK_MAX_CEILING: i64 = 1 << 26;
 
+/// Default ceiling of `fs.epoll.max_user_watches`: 2^27 = 134,217,728
+/// watches per uid on a node (chosen: one per file of the `fs.file-max`
+/// ceiling; ~25 GB of epoll items at 184 B each).
+pub const DEFAULT_MAX_USER_WATCHES_CEILING: i64 = 1 << 27;
+
 /// The admin's policy. Every field has a default; a policy file sets only
 /// what it changes, and an unknown field is an error (a typo must not
 /// silently leave a default in force).
@@ -138,6 +143,9 @@ pub struct SysctlCeilings {
     /// `net.netfilter.nf_conntrack_max`: tracked connections on the node.
     #[serde(rename = "net.netfilter.nf_conntrack_max")]
     pub nf_conntrack_max: i64,
+    /// `fs.epoll.max_user_watches`: epoll watches of one uid on the node.
+    #[serde(rename = "fs.epoll.max_user_watches")]
+    pub max_user_watches: i64,
 }
 
 impl Default for SysctlCeilings {
@@ -147,6 +155,7 @@ impl Default for SysctlCeilings {
             file_max: DEFAULT_FILE_MAX_CEILING,
             tcp_mem_pages: DEFAULT_TCP_MEM_CEILING_PAGES,
             nf_conntrack_max: DEFAULT_NF_CONNTRACK_MAX_CEILING,
+            max_user_watches: DEFAULT_MAX_USER_WATCHES_CEILING,
         }
     }
 }
@@ -477,6 +486,7 @@ impl Policy {
             ("fs.file-max", c.file_max),
             ("net.ipv4.tcp_mem", c.tcp_mem_pages),
             ("net.netfilter.nf_conntrack_max", c.nf_conntrack_max),
+            ("fs.epoll.max_user_watches", c.max_user_watches),
         ] {
             if v < 1 {
                 return bad(format!(
@@ -619,6 +629,7 @@ mod tests {
             (c.nr_open, c.file_max, c.tcp_mem_pages, c.nf_conntrack_max),
             (33_554_432, 134_217_728, 16_777_216, 67_108_864)
         );
+        assert_eq!(c.max_user_watches, 134_217_728);
         // Above the kernel defaults of a big node, below the kernel's own maximum.
         assert!(c.nr_open > crate::plan::kernel::DEFAULT_NR_OPEN);
         assert!(c.nr_open < crate::plan::kernel::NR_OPEN_MAX);

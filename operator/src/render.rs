@@ -22,7 +22,9 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use c10m_wire::{admin, env as wire_env, sysctl_tool};
 
 use crate::api::sysctl::Scope;
-use crate::api::{BackendModel, ConnectionFleet, ConnectionFleetSpec, Plan, SysctlMode};
+use crate::api::{
+    BackendModel, ConnectionFleet, ConnectionFleetSpec, FailureDomain, Plan, SysctlMode,
+};
 use crate::names::{
     CONNECTION_PORT_NAME, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels, secret_name, selector,
 };
@@ -279,16 +281,7 @@ pub fn render(
             .then(|| spec.placement.node_selector.clone()),
         tolerations: (!spec.placement.tolerations.is_empty())
             .then(|| spec.placement.tolerations.clone()),
-        topology_spread_constraints: Some(vec![TopologySpreadConstraint {
-            max_skew: 1,
-            topology_key: "kubernetes.io/hostname".into(),
-            when_unsatisfiable: "ScheduleAnyway".into(),
-            label_selector: Some(LabelSelector {
-                match_labels: Some(selector(&name)),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }]),
+        topology_spread_constraints: Some(vec![spread_over_nodes(&name, plan)]),
         termination_grace_period_seconds: Some(grace),
         // Shards never talk to the API server: no ServiceAccount token in
         // their pods (the admin token comes from the fleet's own Secret).
@@ -371,6 +364,35 @@ pub fn render(
         deployment,
         service,
         pdb,
+    }
+}
+
+/// How a fleet's shards spread over nodes: evenly by hostname, counting
+/// each revision's pods apart (`pod-template-hash`), so a rollout's new
+/// pods spread too. A plan that survives its busiest node
+/// (`failureDomain: Node`) requires the spread (`DoNotSchedule`, over the
+/// nodes whose taints the fleet tolerates): the scheduler never packs more
+/// of its shards on one node than the survivors can cover, and a shard
+/// that cannot be placed so stays Pending and says why. Other plans
+/// prefer it (`ScheduleAnyway`).
+fn spread_over_nodes(name: &str, plan: &Plan) -> TopologySpreadConstraint {
+    let required = plan.failure_domain == FailureDomain::Node;
+    TopologySpreadConstraint {
+        max_skew: 1,
+        topology_key: "kubernetes.io/hostname".into(),
+        when_unsatisfiable: if required {
+            "DoNotSchedule"
+        } else {
+            "ScheduleAnyway"
+        }
+        .into(),
+        node_taints_policy: Some("Honor".into()),
+        label_selector: Some(LabelSelector {
+            match_labels: Some(selector(name)),
+            ..Default::default()
+        }),
+        match_label_keys: Some(vec!["pod-template-hash".into()]),
+        ..Default::default()
     }
 }
 
@@ -937,12 +959,25 @@ mod tests {
                     name: "net.ipv4.tcp_max_syn_backlog".into(),
                     value: "65535".into()
                 },
+                PodSysctl {
+                    name: "net.ipv4.tcp_rmem".into(),
+                    value: "4096 16384 65536".into()
+                },
+                PodSysctl {
+                    name: "net.ipv4.tcp_wmem".into(),
+                    value: "4096 16384 65536".into()
+                },
             ])
         );
-        // Without allowed unsafe sysctls nothing the plan wants is kubelet-safe.
+        // Without allowed unsafe sysctls only the kubelet-safe socket
+        // buffer bounds go in.
         let c = case(json!({"connections": 1_000_000, "sysctls": {"mode": "PodSecurityContext"}}));
-        assert!(c.plan.sysctls.is_empty());
-        assert_eq!(pod_sysctls(pod(&c.out)), None);
+        let names: Vec<String> = pod_sysctls(pod(&c.out))
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(names, ["net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"]);
         assert_eq!(pod(&c.out).init_containers, None);
     }
 
@@ -1185,6 +1220,29 @@ mod tests {
     }
 
     #[test]
+    fn a_fleet_that_survives_a_node_requires_the_spread() {
+        // Issue 8: the plan's failure domain holds only if the scheduler
+        // never packs more shards on a node than it assumed.
+        let spread = |availability: serde_json::Value| {
+            let c = case(json!({"connections": 1_000_000, "availability": availability}));
+            let t = pod(&c.out).topology_spread_constraints.clone().unwrap();
+            assert_eq!(t.len(), 1);
+            let t = t[0].clone();
+            assert_eq!(t.topology_key, "kubernetes.io/hostname");
+            assert_eq!(t.max_skew, 1);
+            assert_eq!(t.node_taints_policy.as_deref(), Some("Honor"));
+            assert_eq!(
+                t.match_label_keys,
+                Some(vec!["pod-template-hash".to_string()])
+            );
+            t.when_unsatisfiable
+        };
+        assert_eq!(spread(json!({})), "DoNotSchedule");
+        assert_eq!(spread(json!({"failureDomain": "Shard"})), "ScheduleAnyway");
+        assert_eq!(spread(json!({"failureDomain": "None"})), "ScheduleAnyway");
+    }
+
+    #[test]
     fn service_and_pdb_select_the_fleet_pods() {
         let c = case(
             json!({"connections": 1_000_000, "server": {"port": 7100, "serviceType": "NodePort"}}),
@@ -1392,7 +1450,7 @@ mod tests {
             assert_eq!(cfg.keepalive_idle_secs, 60);
             assert_eq!(
                 cfg.partial_budget_bytes as i64 * i64::from(p.workers),
-                plan::bundled::partial_budget_bytes(&c.fleet.spec)
+                plan::bundled::partial_budget_bytes(&c.fleet.spec, i64::from(p.workers))
             );
         }
     }

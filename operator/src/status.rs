@@ -351,12 +351,12 @@ pub fn next_status(
                     drain_cut_message(plan),
                 );
             } else {
-                set(
-                    DEGRADED,
-                    false,
-                    Reason::AsPlanned,
-                    format!("the plan holds {} connections", plan.capacity),
-                );
+                let mut message = format!("the plan holds {} connections", plan.capacity);
+                if let Some(hint) = cheaper_shape_hint(plan) {
+                    message.push_str("; ");
+                    message.push_str(&hint);
+                }
+                set(DEGRADED, false, Reason::AsPlanned, message);
             }
         }
     }
@@ -426,6 +426,32 @@ pub fn next_status(
 }
 
 /// What `Degraded=True DrainCannotFinish` says: the shard's drain, the
+/// When the spec fixed the shard shape and the planner found one at most
+/// [`crate::plan::capacity::CHEAPER_SHAPE_PERCENT`] % of its cost, a
+/// sentence naming it and what it saves (`None` otherwise).
+fn cheaper_shape_hint(plan: &crate::api::Plan) -> Option<String> {
+    if plan.shape_source != crate::api::ShapeSource::Spec {
+        return None;
+    }
+    let alt = plan.alternative_shapes.first()?;
+    if !crate::plan::capacity::is_much_cheaper(alt, plan) {
+        return None;
+    }
+    let cost = |nodes: i32, cpm: Option<f64>| match cpm {
+        Some(c) => format!("{nodes} nodes at ${c:.2} per million connections monthly"),
+        None => format!("{nodes} nodes"),
+    };
+    Some(format!(
+        "{} CPUs per shard would cost {} ({} connections per node) against {} ({} per node) with spec.shard.cpus {}; leave spec.shard.cpus unset to let the planner pick the shape",
+        alt.cpus,
+        cost(alt.nodes, alt.cost_per_million_connections_monthly),
+        alt.connections_per_node,
+        cost(plan.nodes, plan.cost_per_million_connections_monthly),
+        plan.connections_per_node,
+        plan.cpus
+    ))
+}
+
 /// bound that cut it, when the rest is closed, and the rate that would fit.
 fn drain_cut_message(plan: &Plan) -> String {
     let grace = plan.termination_grace_period_seconds;
@@ -1020,8 +1046,12 @@ mod tests {
     /// SysctlsApplied condition (the sysctls the plan has are applied).
     #[test]
     fn a_policy_ceiling_that_binds_is_said_in_sysctls_applied() {
-        let spec: ConnectionFleetSpec =
-            serde_json::from_value(serde_json::json!({"connections": 10_000_000})).unwrap();
+        let spec: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 10_000_000,
+            "shard": {"cpus": 8},
+            "backend": {"slowReaderPercent": 0}
+        }))
+        .unwrap();
         let policy = crate::policy::Policy::from_yaml(
             "sysctlCeilings: {net.netfilter.nf_conntrack_max: 2000000}\n",
         )
@@ -1046,7 +1076,17 @@ mod tests {
             c.message
         );
         assert_eq!(condition(&s1, DEGRADED).unwrap().reason, "AsPlanned");
-        let free = next_status(None, 1, 10_000_000, &rolled_out(&a_plan()), &t(1));
+        let uncapped = plan_for(serde_json::json!({
+            "connections": 1_000_000,
+            "shard": {"cpus": 8},
+            "backend": {"slowReaderPercent": 0}
+        }));
+        assert!(
+            uncapped.sysctls_capped.is_empty(),
+            "{:?}",
+            uncapped.sysctls_capped
+        );
+        let free = next_status(None, 1, 10_000_000, &rolled_out(&uncapped), &t(1));
         assert_eq!(
             condition(&free, SYSCTLS_APPLIED).unwrap().reason,
             "AllApplied"
@@ -1055,7 +1095,9 @@ mod tests {
 
     #[test]
     fn max_shards_warns_once_and_not_again_for_a_new_message() {
-        let p = plan_for(serde_json::json!({"connections": 10_000_000, "shard": {"maxShards": 1}}));
+        let p = plan_for(
+            serde_json::json!({"connections": 10_000_000, "shard": {"cpus": 8, "maxShards": 1}}),
+        );
         assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
         assert!(p.capacity < 10_000_000);
         let done = rolled_out(&p);
@@ -1087,7 +1129,7 @@ mod tests {
     fn sysctls_not_applied_warns_once() {
         let p = plan_for(serde_json::json!({
             "connections": 1_000_000,
-            "sysctls": {"mode": "PodSecurityContext"}
+            "sysctls": {"mode": "None"}
         }));
         assert!(!p.sysctls_not_applied.is_empty());
         let done = rolled_out(&p);
@@ -1426,7 +1468,9 @@ mod tests {
 
     #[test]
     fn a_workload_failure_outranks_max_shards() {
-        let p = plan_for(serde_json::json!({"connections": 10_000_000, "shard": {"maxShards": 1}}));
+        let p = plan_for(
+            serde_json::json!({"connections": 10_000_000, "shard": {"cpus": 8, "maxShards": 1}}),
+        );
         assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
         let failure =
             WorkloadFailure::failed_create("ReplicaSet edge-1".into(), POD_SECURITY_REFUSAL);
@@ -1451,7 +1495,7 @@ mod tests {
     fn a_plan_applying_no_sysctl_omits_the_field() {
         let p = plan_for(serde_json::json!({
             "connections": 1_000_000,
-            "sysctls": {"mode": "PodSecurityContext"}
+            "sysctls": {"mode": "None"}
         }));
         assert!(p.sysctls.is_empty(), "{:?}", p.sysctls);
         let json = serde_json::to_value(&p).unwrap();
@@ -1459,5 +1503,43 @@ mod tests {
         assert_eq!(serde_json::from_value::<Plan>(json).unwrap(), p);
         let with = a_plan();
         assert!(serde_json::to_value(&with).unwrap()["sysctls"].is_object());
+    }
+
+    #[test]
+    fn a_fixed_shape_with_a_much_cheaper_one_says_so() {
+        // Issue 8: 8-CPU goroutine shards bind at the runtime's nofile;
+        // the planner's shape costs far less, and the condition names it.
+        let fixed = plan_for(serde_json::json!({
+            "connections": 10_000_000,
+            "backend": {"model": "goroutine"},
+            "node": {"pricePerHour": "2.59"},
+            "shard": {"cpus": 8}
+        }));
+        let s = next_status(None, 1, 10_000_000, &rolled_out(&fixed), &t(1));
+        let c = condition(&s, DEGRADED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "AsPlanned")
+        );
+        let best = &fixed.alternative_shapes[0];
+        assert!(
+            c.message.contains(&format!(
+                "{} CPUs per shard would cost {} nodes",
+                best.cpus, best.nodes
+            )) && c.message.contains("leave spec.shard.cpus unset"),
+            "{}",
+            c.message
+        );
+        // The planner's own choice has nothing to add.
+        let free = plan_for(serde_json::json!({
+            "connections": 10_000_000,
+            "backend": {"model": "goroutine"},
+            "node": {"pricePerHour": "2.59"}
+        }));
+        let s = next_status(None, 1, 10_000_000, &rolled_out(&free), &t(1));
+        assert_eq!(
+            condition(&s, DEGRADED).unwrap().message,
+            format!("the plan holds {} connections", free.capacity)
+        );
     }
 }

@@ -58,12 +58,53 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
         "bytesPerConnection",
         format!("user {} + kernel {} = {} B", b.user, b.kernel, b.total),
     );
+    let pod = &plan.pod_bytes_per_connection;
+    row(
+        "podBytesPerConnection",
+        format!(
+            "user {} + kernel {} = {} B (cgroup {})",
+            pod.user,
+            pod.kernel,
+            pod.total,
+            plan.cgroup_mode.as_str()
+        ),
+    );
+    let slow = &plan.slow_reader_bytes;
+    row(
+        "slowReadersPerShard",
+        format!(
+            "{} × (user {} + kernel {} = {} B)",
+            plan.slow_readers_per_shard, slow.user, slow.kernel, slow.total
+        ),
+    );
+    row("processBytes", bytes(plan.process_bytes));
     row("memoryLimitBytes", bytes(plan.memory_limit_bytes));
     row(
         "cpus / workers",
-        format!("{} / {}", plan.cpus, plan.workers),
+        format!(
+            "{} / {} (shape from {})",
+            plan.cpus,
+            plan.workers,
+            match plan.shape_source {
+                crate::api::ShapeSource::Spec => "spec.shard.cpus",
+                crate::api::ShapeSource::Planner => "the planner",
+            }
+        ),
     );
-    row("nofile", plan.nofile.to_string());
+    row(
+        "nofile",
+        if plan.server_raises_nofile {
+            format!(
+                "{} (the server raises its hard limit; fs.nr_open allows it)",
+                plan.nofile
+            )
+        } else {
+            format!(
+                "{} (within the runtime's hard limit {})",
+                plan.nofile, plan.node_nofile_hard_limit
+            )
+        },
+    );
     row("listenBacklog", plan.listen_backlog.to_string());
     row("limitingFactor", plan.limiting_factor.as_str().to_string());
     row(
@@ -95,6 +136,13 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     for (k, v) in &plan.sysctls_capped {
         row(&format!("capped by policy {k}"), v.to_string());
     }
+    row(
+        "failureDomain",
+        format!(
+            "{:?}: {} shards lost, refilled in {} s",
+            plan.failure_domain, plan.failure_domain_shards, plan.refill_seconds
+        ),
+    );
     row("drainSeconds", plan.drain_seconds.to_string());
     row(
         "terminationGracePeriodSeconds",
@@ -110,8 +158,40 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     if let Some(c) = plan.cost_per_million_connections_monthly {
         row("costPerMillionConnectionsMonthly", format!("${c:.2}"));
     }
+    if let Some(c) = plan.actual_cost_per_million_connections_monthly {
+        row("actualCostPerMillionConnectionsMonthly", format!("${c:.2}"));
+    }
     if let Some(c) = plan.monthly_cost {
         row("monthlyCost", format!("${c:.2}"));
+    }
+    for (i, alt) in plan.alternative_shapes.iter().enumerate() {
+        let much = if plan.shape_source == crate::api::ShapeSource::Spec
+            && crate::plan::capacity::is_much_cheaper(alt, plan)
+        {
+            " (≥ 20 % cheaper)"
+        } else {
+            ""
+        };
+        let price = alt
+            .cost_per_million_connections_monthly
+            .map(|c| format!(", ${c:.2}/1M"))
+            .unwrap_or_default();
+        let monthly = alt
+            .monthly_cost
+            .map(|c| format!(", ${c:.2}/month"))
+            .unwrap_or_default();
+        row(
+            &format!("alternative shape {}", i + 1),
+            format!(
+                "{} CPUs: {} shards, {}/node, {} nodes, {} connections/node{price}{monthly}, {}{much}",
+                alt.cpus,
+                alt.shards,
+                alt.shards_per_node,
+                alt.nodes,
+                alt.connections_per_node,
+                alt.limiting_factor.as_str()
+            ),
+        );
     }
     t.to_string()
 }

@@ -35,10 +35,10 @@ pub const LISTENER: Token = Token(usize::MAX);
 pub const WAKER: Token = Token(usize::MAX - 1);
 
 /// Size of the per-worker scratch read buffer, in bytes. One per worker, not
-/// per connection. 64 KiB matches the largest single read loopback TCP
-/// typically hands over (its 64 KiB MTU) without being large enough to hurt
-/// cache locality.
-pub const SCRATCH_BYTES: usize = 64 * 1024;
+/// per connection ([`c10m_wire::limits::READ_CHUNK_BYTES`]: 64 KiB matches
+/// the largest single read loopback TCP typically hands over without being
+/// large enough to hurt cache locality).
+pub const SCRATCH_BYTES: usize = c10m_wire::limits::READ_CHUNK_BYTES;
 
 /// Readiness events taken per `epoll_wait`, in events.
 pub const EVENTS_CAPACITY: usize = 1024;

@@ -43,6 +43,7 @@ LABEL_NODE=c10m.dev/node
 LABEL_NOFILE=c10m.dev/nofile-hard-limit
 LABEL_SYS_RESOURCE=c10m.dev/sys-resource
 LABEL_HOST_NETNS=c10m.dev/host-network-namespace
+LABEL_CGROUP=c10m.dev/cgroup-mode
 TAINT=c10m.dev/real-node=true:NoSchedule
 # The kubelet's allowedUnsafeSysctls (node/kubelet-config.yaml), stated on
 # the Node in this annotation, which the operator reads: the API shows no
@@ -247,13 +248,17 @@ probe_facts() {
   # The init container enters the host's network namespace through
   # /proc/1/ns/net; some hosts refuse even root (ptrace access check).
   (exec 3</proc/1/ns/net) 2>/dev/null || netns=unavailable
-  printf 'nofile_hard=%s\nsys_resource=%s\nhost_network_namespace=%s\n' "$nofile" "$sys" "$netns" >"$FACTS"
+  # What a connection charges to its pod follows the cgroup version the
+  # kubelet runs pods under (cgroupfs driver: the host's hierarchy).
+  local cgroup=v1
+  [[ "$(stat -fc %T /sys/fs/cgroup)" == cgroup2fs ]] && cgroup=v2
+  printf 'nofile_hard=%s\nsys_resource=%s\nhost_network_namespace=%s\ncgroup_mode=%s\n' "$nofile" "$sys" "$netns" "$cgroup" >"$FACTS"
 }
 fact() { sed -n "s/^$1=//p" "$FACTS"; }
 
 node_labels() { # comma-separated, for --node-labels
   local l
-  l="$LABEL_NODE=real,$LABEL_NOFILE=$(fact nofile_hard)"
+  l="$LABEL_NODE=real,$LABEL_NOFILE=$(fact nofile_hard),$LABEL_CGROUP=$(fact cgroup_mode)"
   [[ "$(fact sys_resource)" == unavailable ]] && l+=",$LABEL_SYS_RESOURCE=unavailable"
   [[ "$(fact host_network_namespace)" == unavailable ]] && l+=",$LABEL_HOST_NETNS=unavailable"
   echo "$l"
@@ -462,7 +467,7 @@ up() {
   }
   # --node-labels and registerWithTaints apply only when the kubelet creates
   # the Node; an existing one (state kept by down.sh) is brought up to date.
-  local set=("$LABEL_NODE=real" "$LABEL_NOFILE=$nofile")
+  local set=("$LABEL_NODE=real" "$LABEL_NOFILE=$nofile" "$LABEL_CGROUP=$(fact cgroup_mode)")
   if [[ "$(fact sys_resource)" == unavailable ]]; then set+=("$LABEL_SYS_RESOURCE=unavailable"); else set+=("$LABEL_SYS_RESOURCE-"); fi
   if [[ "$(fact host_network_namespace)" == unavailable ]]; then set+=("$LABEL_HOST_NETNS=unavailable"); else set+=("$LABEL_HOST_NETNS-"); fi
   k label node "$C10M_NODE_NAME" --overwrite "${set[@]}" >/dev/null 2>&1 || die "cannot label node $C10M_NODE_NAME"

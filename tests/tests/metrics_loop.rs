@@ -25,6 +25,10 @@ const MINUTE: Duration = Duration::from_secs(60);
 /// Per-shard cap of these fleets: 500 connections/CPU × 1 CPU.
 const SHARD_CAP: i64 = 500;
 
+/// A fleet of small shards. These fleets are about the metrics loop, not
+/// availability: with `failureDomain: None` they plan no spare shards for
+/// a lost node, so the declared connections alone set the floor (800 → 2
+/// shards, not 4).
 fn fleet(name: &str, connections: i64, extra: &str) -> String {
     format!(
         r#"apiVersion: c10m.dev/v1alpha1
@@ -41,6 +45,8 @@ spec:
     maxShards: 8
   drain:
     rate: 200
+  availability:
+    failureDomain: None
 {extra}"#
     )
 }

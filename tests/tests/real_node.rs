@@ -39,6 +39,9 @@ const HELD: u64 = 600;
 /// connections take 3 s to drain.
 const DRAIN_RATE: u64 = 200;
 
+/// A one-shard fleet on the real node. The node is one node with one
+/// allocatable CPU: there is no second node for a lost node's spares, so
+/// the fleet plans no failure domain (`availability.failureDomain: None`).
 fn fleet(name: &str, extra: &str) -> String {
     format!(
         r#"apiVersion: c10m.dev/v1alpha1
@@ -57,6 +60,8 @@ spec:
     maxShards: 1
   drain:
     rate: {DRAIN_RATE}
+  availability:
+    failureDomain: None
   placement:
     nodeSelector:
       c10m.dev/node: real
@@ -207,6 +212,70 @@ fn sysctl_in_netns(pid: u32, name: &str) -> String {
     normalize(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// The cgroup version the host runs pods under, as node.sh probes it:
+/// the filesystem type of `/sys/fs/cgroup` (`tmpfs`: v1 hierarchies,
+/// `cgroup2fs`: the unified v2 hierarchy). Returns (type, version).
+fn host_cgroup_mode() -> (String, &'static str) {
+    let out = Command::new("stat")
+        .args(["-fc", "%T", "/sys/fs/cgroup"])
+        .output()
+        .expect("run stat");
+    assert!(out.status.success(), "stat -fc %T /sys/fs/cgroup: {out:?}");
+    let fs = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let mode = match fs.as_str() {
+        "tmpfs" => "v1",
+        "cgroup2fs" => "v2",
+        other => panic!("/sys/fs/cgroup is {other:?}, neither tmpfs (v1) nor cgroup2fs (v2)"),
+    };
+    (fs, mode)
+}
+
+/// The node is labelled with the host's cgroup version and the fleet's
+/// plan follows it (every placeable node says the same, so the plan takes
+/// the nodes' label); prints a FIGURE line.
+fn assert_cgroup_mode(node: &Value, plan: &Value, fleet: &str) {
+    let (fs, host) = host_cgroup_mode();
+    let label = &node["metadata"]["labels"]["c10m.dev/cgroup-mode"];
+    println!(
+        "FIGURE cgroup {fleet}: host /sys/fs/cgroup={fs} ({host}) node c10m.dev/cgroup-mode={} plan.cgroupMode={}",
+        label.as_str().unwrap_or("(none)"),
+        plan["cgroupMode"].as_str().unwrap_or("(none)")
+    );
+    assert_eq!(label, host, "c10m.dev/cgroup-mode of {NODE}");
+    assert_eq!(plan["cgroupMode"], host, "status.plan.cgroupMode: {plan}");
+}
+
+/// The socket buffer bounds every plan but sysctl mode `None` sets.
+const BUFFER_SYSCTLS: [&str; 2] = ["net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"];
+
+/// Each of `BUFFER_SYSCTLS` is in the plan (three byte sizes, min <=
+/// default <= max) and the pod's network namespace has exactly the plan's
+/// value; prints a FIGURE line per sysctl, with the host's own value (the
+/// setting is per network namespace: the host's stays as it was).
+fn assert_buffer_sysctls(pid: u32, plan: &Value, mode: &str) {
+    for name in BUFFER_SYSCTLS {
+        let want = normalize(
+            plan["sysctls"][name]
+                .as_str()
+                .unwrap_or_else(|| panic!("{mode}: the plan sets {name}: {plan}")),
+        );
+        let sizes: Vec<i64> = want
+            .split(' ')
+            .map(|v| v.parse().unwrap_or_else(|e| panic!("{name}={want}: {e}")))
+            .collect();
+        assert!(
+            sizes.len() == 3 && sizes[0] <= sizes[1] && sizes[1] <= sizes[2],
+            "{name}={want}: min default max"
+        );
+        let got = sysctl_in_netns(pid, name);
+        let host = normalize(
+            &std::fs::read_to_string(format!("/proc/sys/{}", name.replace('.', "/"))).unwrap(),
+        );
+        println!("FIGURE {mode} {name} plan={want} pod={got} host={host}");
+        assert_eq!(got, want, "{name} in the pod's netns ({mode})");
+    }
+}
+
 /// Whitespace-separated values joined by single spaces (`tcp_mem` style).
 fn normalize(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -296,7 +365,8 @@ fn established_to(ip: &str, port: i64) -> usize {
 
 /// The fleet's pod on the real node runs the image `make images` built,
 /// and the kernel gave it what the plan says: namespaced sysctls in its
-/// netns, its memory limit, an exclusive cpuset of the plan's size with as
+/// netns (the socket buffer bounds among them), its memory limit (charged
+/// as the node's cgroup version, which its label states), an exclusive cpuset of the plan's size with as
 /// many workers, the nofile the node allows, and no identity or capability
 /// beyond uid/gid 65532. A load generator on the host holds connections to
 /// the pod IP across the bridge, and the metrics loop counts them through
@@ -405,6 +475,20 @@ fn a_fleet_on_the_real_node_gets_what_its_plan_says() {
         println!("FIGURE sysctl {name} plan={want} pod={got}");
         assert_eq!(got, want, "{name} in the pod's netns");
     }
+    // The socket buffer bounds in particular: set by the init container
+    // (`--set`, in the pod's own netns), as the plan says.
+    for name in BUFFER_SYSCTLS {
+        let set = format!(
+            "--set={name}={}",
+            plan["sysctls"][name].as_str().unwrap_or_default()
+        );
+        assert!(args.contains(&set.as_str()), "{set} missing: {args:?}");
+    }
+    assert_buffer_sysctls(pid, &plan, "InitContainer");
+
+    // The node states the host's cgroup version, and the plan's memory
+    // charges follow it.
+    assert_cgroup_mode(&node, &plan, "edge");
 
     // Memory limit of the server's cgroup: the plan's, rounded down to a
     // page (the kernel keeps limits in pages).
@@ -658,13 +742,14 @@ fn assert_no_other_container_shares(dir: &Path, mine: &BTreeSet<u32>) {
 }
 
 /// PodSecurityContext mode on a real kubelet: the plan renders, in the
-/// pod's `securityContext.sysctls`, only the `allowedUnsafe` sysctls the
-/// node's kubelet allows (its `c10m.dev/allowed-unsafe-sysctls`
+/// pod's `securityContext.sysctls`, the kubelet-safe socket buffer bounds
+/// (`net.ipv4.tcp_rmem`, `net.ipv4.tcp_wmem`) and only the `allowedUnsafe`
+/// sysctls the node's kubelet allows (its `c10m.dev/allowed-unsafe-sysctls`
 /// annotation: `net.core.somaxconn` only on the test node); the one it
 /// refuses and the one no field allows are reported, never rendered, so
 /// the pod runs (never `SysctlForbidden`) and the kernel has exactly what
-/// was rendered. The server runs as 65532:65532 from the start, with no
-/// capabilities.
+/// was rendered. The plan follows the node's cgroup version. The server
+/// runs as 65532:65532 from the start, with no capabilities.
 #[test]
 fn pod_security_context_mode_renders_only_what_the_kubelet_allows() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -683,11 +768,24 @@ fn pod_security_context_mode_renders_only_what_the_kubelet_allows() {
     let pod = running_pod(ns, "psc");
     let f = get_json(ns, "connectionfleet", "psc").unwrap();
     let plan = &f["status"]["plan"];
+    // The allowed unsafe one, and the kubelet-safe socket buffer bounds
+    // (safe since Kubernetes 1.32).
+    let rendered: BTreeSet<&str> = plan["sysctls"]
+        .as_object()
+        .unwrap_or_else(|| panic!("{plan}"))
+        .keys()
+        .map(String::as_str)
+        .collect();
     assert_eq!(
-        plan["sysctls"],
-        serde_json::json!({"net.core.somaxconn": "65535"}),
+        rendered,
+        BTreeSet::from([
+            "net.core.somaxconn",
+            "net.ipv4.tcp_rmem",
+            "net.ipv4.tcp_wmem"
+        ]),
         "{plan}"
     );
+    assert_eq!(plan["sysctls"]["net.core.somaxconn"], "65535", "{plan}");
     assert_eq!(
         plan["sysctlsNotApplied"],
         serde_json::json!(["net.ipv4.tcp_max_syn_backlog", "net.ipv4.tcp_migrate_req"]),
@@ -700,12 +798,40 @@ fn pod_security_context_mode_renders_only_what_the_kubelet_allows() {
         "{applied}"
     );
     assert!(pod["spec"]["initContainers"].is_null(), "no init container");
-    assert_eq!(
-        pod["spec"]["securityContext"]["sysctls"],
-        serde_json::json!([{"name": "net.core.somaxconn", "value": "65535"}])
-    );
+    // The pod spec lists exactly the plan's sysctls, with its values.
+    let in_pod: BTreeSet<(String, String)> = pod["spec"]["securityContext"]["sysctls"]
+        .as_array()
+        .unwrap_or_else(|| {
+            panic!(
+                "securityContext.sysctls: {}",
+                pod["spec"]["securityContext"]
+            )
+        })
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_string(),
+                s["value"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let planned: BTreeSet<(String, String)> = plan["sysctls"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(in_pod, planned, "securityContext.sysctls vs the plan");
+    // The kubelet ran it: no SysctlForbidden, neither as an event nor as
+    // the pod's status.
     let events = kubectl(&["get", "events", "-n", ns, "-o", "json"]);
     assert!(!events.contains("SysctlForbidden"), "{events}");
+    assert_ne!(
+        pod["status"]["reason"], "SysctlForbidden",
+        "{}",
+        pod["status"]
+    );
+    assert_eq!(pod["status"]["phase"], "Running");
 
     let pid = server_pid(pod["metadata"]["uid"].as_str().unwrap());
     let host_backlog =
@@ -720,6 +846,9 @@ fn pod_security_context_mode_renders_only_what_the_kubelet_allows() {
         backlog, "65535",
         "a sysctl that was not rendered is not set"
     );
+    // The kubelet-safe buffer bounds, from securityContext.sysctls.
+    assert_buffer_sysctls(pid, plan, "PodSecurityContext");
+    assert_cgroup_mode(&node, plan, "psc");
 
     let server = &pod["spec"]["containers"][0];
     assert!(

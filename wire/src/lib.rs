@@ -196,6 +196,12 @@ pub mod limits {
     /// descriptors [source: `docs/KERNEL_FACTS.md`, "Limits and where they
     /// live"; kernel `fs/file.c` `sysctl_nr_open = 1024 * 1024`].
     pub const DEFAULT_NR_OPEN: u64 = 1_048_576;
+
+    /// Bytes a worker reads from one socket at a time (its scratch buffer):
+    /// 64 KiB, the largest single read loopback TCP typically hands over
+    /// (its 64 KiB MTU). Also the most a connection whose peer stopped
+    /// reading keeps in user space: the unsent tail of one read.
+    pub const READ_CHUNK_BYTES: usize = 64 * 1024;
 }
 
 /// TCP keepalive of the bundled server's connections: the server's defaults

@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use super::sysctl::{Sysctl, Sysctls, lenient_sysctl_names, lenient_sysctls};
+use super::{CgroupMode, FailureDomain};
 
 /// What limits connections per node (and so the node count and cost).
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -27,6 +28,18 @@ pub enum LimitingFactor {
     Conntrack,
     /// Pods per node (kubelet maxPods).
     Pods,
+    /// `fs.epoll.max_user_watches`: epoll watches per uid on the node, when
+    /// it cannot be raised.
+    MaxUserWatches,
+    /// `spec.availability.failureDomain`: the fleet runs on more nodes than
+    /// its connections need, so that the survivors of the domain's loss
+    /// hold them all (spare shards on the nodes the connections need
+    /// anyway leave the per-node limit named).
+    FailureDomain,
+    /// `spec.availability.refillBudgetSeconds`: the fleet runs on more
+    /// nodes than its connections need, so that the survivors re-accept a
+    /// lost domain's connections within the budget.
+    Refill,
     /// `shard.maxShards` stops the fleet short of the declared connections.
     MaxShards,
 }
@@ -41,13 +54,16 @@ impl LimitingFactor {
             LimitingFactor::Cpu => "cpu",
             LimitingFactor::Conntrack => "conntrack",
             LimitingFactor::Pods => "pods",
+            LimitingFactor::MaxUserWatches => "maxUserWatches",
+            LimitingFactor::FailureDomain => "failureDomain",
+            LimitingFactor::Refill => "refill",
             LimitingFactor::MaxShards => "maxShards",
         }
     }
 }
 
 /// Per-connection bytes.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BytesPerConnection {
     /// User-space bytes of the backend per connection.
     pub user: i64,
@@ -75,7 +91,10 @@ pub struct Plan {
     pub sized_connections_per_shard: i64,
     /// Per-shard connection cap passed to the server: connectionsPerShard plus headroom.
     pub shard_connection_limit: i64,
-    /// Shards placed on one node.
+    /// Shards on one node when the fleet's shards spread evenly over
+    /// `nodes` (the pods' topology spread). Node-level sysctls hold the
+    /// most the scheduler could pack on a node
+    /// (`connectionsPerNode` ÷ `maxConnectionsPerShard`).
     pub shards_per_node: i32,
     /// Nodes the fleet needs.
     pub nodes: i32,
@@ -85,8 +104,33 @@ pub struct Plan {
     pub connections_per_node: i64,
     /// Bytes per connection.
     pub bytes_per_connection: BytesPerConnection,
-    /// Memory request = limit of each shard's server container, bytes.
+    /// Memory request = limit of each shard's server container, bytes: the
+    /// process allowance, the connection cap × `podBytesPerConnection`,
+    /// the queued-data pages charged to the pod (cgroup v2), and the slow
+    /// readers' `slowReaderBytes` (their kernel part in cgroup v2 only).
     pub memory_limit_bytes: i64,
+    /// The nodes' cgroup version the charges follow (`spec.node.cgroupMode`,
+    /// or the nodes' `c10m.dev/cgroup-mode` label in a cluster).
+    #[serde(default)]
+    pub cgroup_mode: CgroupMode,
+    /// Bytes one idle connection charges to the pod's memory cgroup: user
+    /// space, and the kernel objects the cgroup mode charges to the pod.
+    #[serde(default)]
+    pub pod_bytes_per_connection: BytesPerConnection,
+    /// Bytes of each shard's memory limit beyond its connections: the
+    /// process base, the fd table for `nofile` descriptors, and the
+    /// per-worker budget for unfinished input.
+    #[serde(default)]
+    pub process_bytes: i64,
+    /// Slow readers one shard is sized for at its connection cap
+    /// (`spec.backend.slowReaderPercent` of `shardConnectionLimit`).
+    #[serde(default)]
+    pub slow_readers_per_shard: i64,
+    /// Most bytes one slow reader pins beyond an idle connection: kernel
+    /// socket buffers up to the plan's `tcp_rmem` + `tcp_wmem` maxima, and
+    /// the server's unsent tail in user space.
+    #[serde(default)]
+    pub slow_reader_bytes: BytesPerConnection,
     /// Whole CPUs per shard (request = limit).
     pub cpus: i32,
     /// Worker threads per shard (one per pinned CPU).
@@ -176,11 +220,74 @@ pub struct Plan {
         deserialize_with = "lenient"
     )]
     pub node_source: Option<NodeSource>,
+    /// The failure domain the plan survives (`spec.availability.failureDomain`).
+    #[serde(default)]
+    pub failure_domain: FailureDomain,
+    /// Shards lost with the largest failure domain (0 for `None`).
+    #[serde(default)]
+    pub failure_domain_shards: i32,
+    /// Seconds the surviving shards take to re-accept the connections of
+    /// the largest failure domain (one shard for `None`) at the measured
+    /// accept rate per worker.
+    #[serde(default)]
+    pub refill_seconds: i64,
+    /// Who chose the shard shape (`cpus`): `Spec` (`spec.shard.cpus`) or
+    /// `Planner` (the cheapest per connection).
+    #[serde(default)]
+    pub shape_source: ShapeSource,
+    /// The next-best shard shapes (up to 3), cheapest first, each with its
+    /// cost and binding limit. When `shapeSource` is `Spec` and the first
+    /// costs at least 20 % less, the `Planned` condition says so.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alternative_shapes: Vec<Shape>,
     /// USD per month for a million connections: node price × 730 h ÷ the most
-    /// connections one node holds, in millions. Set when a node price is given.
+    /// connections one node holds, in millions (the price of the nodes'
+    /// capacity). Set when a node price is given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_per_million_connections_monthly: Option<f64>,
+    /// USD per month for each million declared connections: `monthlyCost` ÷
+    /// `spec.connections` in millions (what the fleet really pays, spare
+    /// capacity and failure domains included). Set when a node price is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actual_cost_per_million_connections_monthly: Option<f64>,
     /// USD per month of this plan's nodes (nodes × price × 730 h).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub monthly_cost: Option<f64>,
+}
+
+/// Who chose a plan's shard shape.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ShapeSource {
+    /// `spec.shard.cpus`.
+    #[default]
+    Spec,
+    /// The planner, as the cheapest shape per connection.
+    Planner,
+}
+
+/// One shard shape the planner weighed (`status.plan.alternativeShapes`).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Shape {
+    /// Whole CPUs per shard.
+    pub cpus: i32,
+    /// Shards of the fleet with this shape.
+    pub shards: i32,
+    /// Shards on one node.
+    pub shards_per_node: i32,
+    /// Nodes the fleet needs.
+    pub nodes: i32,
+    /// Connections the fleet holds with this shape (below
+    /// `spec.connections` only when `maxShards` stops it).
+    pub capacity: i64,
+    /// Most connections one node holds, at headroom.
+    pub connections_per_node: i64,
+    /// What binds this shape.
+    pub limiting_factor: LimitingFactor,
+    /// As `status.plan.costPerMillionConnectionsMonthly`, for this shape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_per_million_connections_monthly: Option<f64>,
+    /// As `status.plan.monthlyCost`, for this shape.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub monthly_cost: Option<f64>,
 }

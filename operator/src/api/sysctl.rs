@@ -1,7 +1,7 @@
 //! The kernel settings a plan carries, typed: a name from the fixed set the
 //! planner knows ([`Sysctl`]) and a numeric value ([`SysctlValue`]). In the
 //! status they appear as a map of name → value string (`"65535"`,
-//! `"min pressure max"` for `tcp_mem`), rendered from the numbers once by
+//! `"min pressure max"` for `tcp_mem`, `"min default max"` for `tcp_rmem`), rendered from the numbers once by
 //! their `Display`/`Serialize`; the CRD shape is a plain string map.
 
 use std::collections::BTreeMap;
@@ -29,6 +29,12 @@ pub enum Sysctl {
     /// `net.ipv4.tcp_migrate_req`: migrate queued connections between
     /// SO_REUSEPORT listeners when one closes (per netns, kernel ≥ 5.14).
     TcpMigrateReq,
+    /// `net.ipv4.tcp_rmem`: per-socket receive buffer bytes (min, default,
+    /// max) (per netns; kubelet-safe).
+    TcpRmem,
+    /// `net.ipv4.tcp_wmem`: per-socket send buffer bytes (min, default,
+    /// max) (per netns; kubelet-safe).
+    TcpWmem,
     /// `net.ipv4.tcp_mem`: node-wide TCP buffer pages (min, pressure, max).
     TcpMem,
     /// `net.netfilter.nf_conntrack_max`: node-wide conntrack entries.
@@ -37,17 +43,22 @@ pub enum Sysctl {
     FileMax,
     /// `fs.nr_open`: the ceiling of any process's RLIMIT_NOFILE.
     NrOpen,
+    /// `fs.epoll.max_user_watches`: epoll watches one uid may hold on the node.
+    MaxUserWatches,
 }
 
 impl Sysctl {
     /// Every sysctl the planner knows, in the order of their names.
-    pub const ALL: [Sysctl; 7] = [
+    pub const ALL: [Sysctl; 10] = [
+        Sysctl::MaxUserWatches,
         Sysctl::FileMax,
         Sysctl::NrOpen,
         Sysctl::Somaxconn,
         Sysctl::TcpMaxSynBacklog,
         Sysctl::TcpMem,
         Sysctl::TcpMigrateReq,
+        Sysctl::TcpRmem,
+        Sysctl::TcpWmem,
         Sysctl::NfConntrackMax,
     ];
 
@@ -57,10 +68,13 @@ impl Sysctl {
             Sysctl::Somaxconn => "net.core.somaxconn",
             Sysctl::TcpMaxSynBacklog => "net.ipv4.tcp_max_syn_backlog",
             Sysctl::TcpMigrateReq => "net.ipv4.tcp_migrate_req",
+            Sysctl::TcpRmem => "net.ipv4.tcp_rmem",
+            Sysctl::TcpWmem => "net.ipv4.tcp_wmem",
             Sysctl::TcpMem => "net.ipv4.tcp_mem",
             Sysctl::NfConntrackMax => "net.netfilter.nf_conntrack_max",
             Sysctl::FileMax => "fs.file-max",
             Sysctl::NrOpen => "fs.nr_open",
+            Sysctl::MaxUserWatches => "fs.epoll.max_user_watches",
         }
     }
 
@@ -72,12 +86,16 @@ impl Sysctl {
     /// Where it takes effect.
     pub fn scope(self) -> Scope {
         match self {
-            Sysctl::Somaxconn | Sysctl::TcpMaxSynBacklog | Sysctl::TcpMigrateReq => {
-                Scope::Namespaced
-            }
-            Sysctl::TcpMem | Sysctl::NfConntrackMax | Sysctl::FileMax | Sysctl::NrOpen => {
-                Scope::Node
-            }
+            Sysctl::Somaxconn
+            | Sysctl::TcpMaxSynBacklog
+            | Sysctl::TcpMigrateReq
+            | Sysctl::TcpRmem
+            | Sysctl::TcpWmem => Scope::Namespaced,
+            Sysctl::TcpMem
+            | Sysctl::NfConntrackMax
+            | Sysctl::FileMax
+            | Sysctl::NrOpen
+            | Sysctl::MaxUserWatches => Scope::Node,
         }
     }
 }
@@ -114,23 +132,25 @@ impl JsonSchema for Sysctl {
     }
 }
 
-/// A sysctl's value: one number, or the three page counts of `tcp_mem`.
+/// A sysctl's value: one number, or three (the page counts of `tcp_mem`,
+/// the byte sizes of `tcp_rmem`/`tcp_wmem`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SysctlValue {
     /// A single integer (connections, files, descriptors, a flag).
     One(i64),
-    /// `tcp_mem`: (min, pressure, max), in pages.
-    Pages([i64; 3]),
+    /// `tcp_mem`: (min, pressure, max), in pages; `tcp_rmem`/`tcp_wmem`:
+    /// (min, default, max), in bytes.
+    Triple([i64; 3]),
 }
 
 impl SysctlValue {
     /// The value the limit is checked against: the number itself, or the
-    /// pressure threshold of `tcp_mem` (where the kernel starts to moderate
-    /// buffers).
+    /// middle component of three: the pressure threshold of `tcp_mem`
+    /// (where the kernel starts to moderate buffers).
     pub fn limit(self) -> i64 {
         match self {
             SysctlValue::One(v) => v,
-            SysctlValue::Pages([_, pressure, _]) => pressure,
+            SysctlValue::Triple([_, pressure, _]) => pressure,
         }
     }
 
@@ -138,7 +158,7 @@ impl SysctlValue {
     pub fn components(self) -> Vec<i64> {
         match self {
             SysctlValue::One(v) => vec![v],
-            SysctlValue::Pages(p) => p.to_vec(),
+            SysctlValue::Triple(p) => p.to_vec(),
         }
     }
 
@@ -154,7 +174,7 @@ impl fmt::Display for SysctlValue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SysctlValue::One(v) => write!(f, "{v}"),
-            SysctlValue::Pages([a, b, c]) => write!(f, "{a} {b} {c}"),
+            SysctlValue::Triple([a, b, c]) => write!(f, "{a} {b} {c}"),
         }
     }
 }
@@ -170,7 +190,7 @@ impl std::str::FromStr for SysctlValue {
             .map_err(|e| format!("sysctl value {s:?}: {e}"))?;
         match parts[..] {
             [v] => Ok(SysctlValue::One(v)),
-            [a, b, c] => Ok(SysctlValue::Pages([a, b, c])),
+            [a, b, c] => Ok(SysctlValue::Triple([a, b, c])),
             _ => Err(format!("sysctl value {s:?}: expected 1 or 3 integers")),
         }
     }
@@ -265,7 +285,7 @@ mod tests {
     fn values_render_once_and_parse_back() {
         let m: Sysctls = BTreeMap::from([
             (Sysctl::Somaxconn, SysctlValue::One(65535)),
-            (Sysctl::TcpMem, SysctlValue::Pages([10, 20, 30])),
+            (Sysctl::TcpMem, SysctlValue::Triple([10, 20, 30])),
         ]);
         let json = serde_json::to_value(&m).unwrap();
         assert_eq!(
@@ -283,7 +303,7 @@ mod tests {
         let one = SysctlValue::One;
         assert!(one(65535).raises(one(4096)));
         assert!(!one(4096).raises(one(4096)));
-        let pages = SysctlValue::Pages;
+        let pages = SysctlValue::Triple;
         assert!(pages([10, 30, 40]).raises(pages([10, 20, 30])));
         assert!(!pages([10, 30, 20]).raises(pages([10, 20, 30])));
         assert!(!one(1).raises(pages([1, 1, 1])));

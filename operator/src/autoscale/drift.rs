@@ -14,14 +14,14 @@
 //!
 //! A value at or above the plan is as planned; a shard without a sample
 //! for a setting is not judged on it (the metrics loop reports missing
-//! samples). `tcp_rmem`, `tcp_wmem` and `fs.epoll.max_user_watches` are
-//! exported but not compared: no plan sets them.
+//! samples). `tcp_rmem` and `tcp_wmem` are exported but not compared: the
+//! plan sets them as bounds on what a slow reader pins, not as floors.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use crate::api::Plan;
-use crate::api::sysctl::SysctlValue;
+use crate::api::sysctl::{Sysctl, SysctlValue};
 use crate::reason::{Announcement, EventAction, Reason};
 
 /// The series a kernel read returns (one query, confined to the fleet).
@@ -126,12 +126,15 @@ pub fn planned(plan: &Plan) -> Vec<(String, i64)> {
         if plan.sysctls_not_applied.contains(sysctl) {
             continue;
         }
-        match value {
-            SysctlValue::One(v) => out.push((sysctl.name().to_string(), *v)),
-            SysctlValue::Pages([_, pressure, max]) => {
+        match (sysctl, value) {
+            (_, SysctlValue::One(v)) => out.push((sysctl.name().to_string(), *v)),
+            (Sysctl::TcpMem, SysctlValue::Triple([_, pressure, max])) => {
                 out.push((format!("{} pressure", sysctl.name()), *pressure));
                 out.push((format!("{} max", sysctl.name()), *max));
             }
+            // tcp_rmem/tcp_wmem are bounds, not floors: a shard below them
+            // has not drifted in a way that breaks the plan.
+            _ => {}
         }
     }
     out
@@ -225,7 +228,7 @@ mod tests {
         p.nofile = 20_000;
         p.sysctls = [
             (Sysctl::Somaxconn, SysctlValue::One(65_535)),
-            (Sysctl::TcpMem, SysctlValue::Pages([100, 200, 300])),
+            (Sysctl::TcpMem, SysctlValue::Triple([100, 200, 300])),
             (Sysctl::NrOpen, SysctlValue::One(1_048_576)),
             (Sysctl::FileMax, SysctlValue::One(2_000_000)),
         ]

@@ -27,16 +27,16 @@ pub const fn dead_peer_seconds() -> i64 {
 /// and upgrade requests (`C10M_PARTIAL_BUDGET_BYTES`).
 pub const PARTIAL_BUDGET_BYTES_PER_WORKER: i64 = c10m_wire::partial::BUDGET_BYTES_PER_WORKER as i64;
 
-/// Bytes a shard of `spec` may hold for unfinished input: the budget times
-/// its workers (one per CPU) for the bundled server, whose budget bounds
+/// Bytes a shard of `spec` with `cpus` CPUs may hold for unfinished input:
+/// the budget times its workers (one per CPU) for the bundled server, whose budget bounds
 /// it; 0 for other servers, whose buffering their `userBytesPerConnection`
 /// must cover. It is a per-shard amount, not a per-connection one: a
 /// thousand or a million connections share the same budget, so it goes
 /// into a shard's memory beside the process base, not into
 /// `bytesPerConnection`.
-pub fn partial_budget_bytes(spec: &ConnectionFleetSpec) -> i64 {
+pub fn partial_budget_bytes(spec: &ConnectionFleetSpec, cpus: i64) -> i64 {
     match spec.backend.model {
-        BackendModel::Epoll => PARTIAL_BUDGET_BYTES_PER_WORKER * i64::from(spec.shard.cpus.max(0)),
+        BackendModel::Epoll => PARTIAL_BUDGET_BYTES_PER_WORKER * cpus.max(0),
         BackendModel::Goroutine | BackendModel::Custom => 0,
     }
 }
@@ -59,16 +59,14 @@ mod tests {
     #[test]
     fn partial_budget_is_per_worker_of_the_bundled_server() {
         let spec = |v| serde_json::from_value::<ConnectionFleetSpec>(v).unwrap();
-        let epoll = spec(serde_json::json!({"connections": 1000, "shard": {"cpus": 4}}));
-        assert_eq!(partial_budget_bytes(&epoll), 4 * (8 << 20));
+        let epoll = spec(serde_json::json!({"connections": 1000}));
+        assert_eq!(partial_budget_bytes(&epoll, 4), 4 * (8 << 20));
         let go = spec(serde_json::json!({
             "connections": 1000,
-            "shard": {"cpus": 4},
             "backend": {"model": "goroutine"}
         }));
-        assert_eq!(partial_budget_bytes(&go), 0);
+        assert_eq!(partial_budget_bytes(&go, 4), 0);
         // The schema's largest shard: 1,024 workers, 8 GiB, no overflow.
-        let big = spec(serde_json::json!({"connections": 1000, "shard": {"cpus": 1024}}));
-        assert_eq!(partial_budget_bytes(&big), 1024 * (8 << 20));
+        assert_eq!(partial_budget_bytes(&epoll, 1024), 1024 * (8 << 20));
     }
 }

@@ -1,20 +1,33 @@
 //! Capacity model (pure: no I/O). From a fleet's spec and the node profile it
-//! derives shards, connections per shard, shards per node, resources, file
-//! descriptor limits and the sysctls that let the kernel hold them.
+//! derives the shard shape, shards, connections per shard, shards per node,
+//! resources, file descriptor limits and the sysctls that let the kernel
+//! hold them.
 //!
 //! Every limit is checked at the shard's *connection cap* `L`, the declared
 //! connections per shard inflated by the headroom (`L = ceil(n × 100 /
 //! (100 − headroom))`), against 100 % of the limit. So at the declared load
 //! every limit is used at most `100 − headroom` percent, and a shard can
 //! absorb its cap (imbalance, reconnect storms) without hitting any of them.
+//! The fleet also survives its largest failure domain
+//! (`spec.availability`): the survivors' caps hold every declared
+//! connection, and they re-accept the lost ones within the refill budget.
+//!
+//! What a connection charges to its pod follows the nodes' cgroup version
+//! ([`CgroupMode`]): under v2 the socket and its buffers, under v1 only its
+//! file, inode, dentry and epoll items. Slow readers pin the socket buffers
+//! the plan bounds with `tcp_rmem`/`tcp_wmem`.
 //!
 //! Figures come from [`super::kernel`] (measured on Linux 6.18, cited in
-//! `docs/KERNEL_FACTS.md`) and the kernel sources named beside each constant.
+//! `docs/KERNEL_FACTS.md`, re-measured by `make bench-fidelity`) and the
+//! kernel sources named beside each constant.
+
+use std::cmp::Reverse;
 
 use crate::api::status::NodeSource;
 use crate::api::sysctl::{Sysctl, SysctlValue, Sysctls};
 use crate::api::{
-    BackendModel, BytesPerConnection, ConnectionFleetSpec, LimitingFactor, Plan, SysctlMode,
+    BackendModel, BytesPerConnection, CgroupMode, ConnectionFleetSpec, FailureDomain,
+    LimitingFactor, Plan, Shape, ShapeSource, SysctlMode,
 };
 use crate::policy::{Policy, SysctlCeilings};
 
@@ -22,13 +35,22 @@ use super::bundled::partial_budget_bytes;
 use super::drain;
 use super::kernel::*;
 use super::nodes::NodeRuntime;
-use super::sysctl::{FILE_MAX_SYSTEM_RESERVE, NodeLoad, plan_sysctls, raises_node_sysctls};
-use super::validate::validate;
+use super::sysctl::{
+    FILE_MAX_SYSTEM_RESERVE, NodeLoad, bounds_socket_buffers, plan_sysctls, raises_node_sysctls,
+};
+use super::validate::{Validated, validate};
 use super::{NodeFacts, PlanError};
 
 /// Most connections a fleet plans per shard search (the API's bound on
 /// `spec.connections`).
 const SEARCH_CEILING: i64 = crate::api::MAX_CONNECTIONS;
+
+/// Next-best shapes a plan lists (`status.plan.alternativeShapes`).
+const ALTERNATIVE_SHAPES: usize = 3;
+
+/// A shape at most this percent of the chosen one's cost is worth naming
+/// when the spec fixed the shape.
+pub const CHEAPER_SHAPE_PERCENT: i64 = 80;
 
 /// Most file descriptors one shard process can get on a node with `runtime`.
 /// The bundled server in InitContainer mode, where the node can grant
@@ -56,7 +78,18 @@ pub fn raises_own_nofile(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> b
         && runtime.sys_resource
 }
 
-/// Resolved inputs of the model.
+/// The cgroup version the plan charges by: v2 unless the nodes (or, where
+/// they say nothing, `spec.node.cgroupMode`) say v1 and neither says v2.
+pub fn cgroup_mode(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> CgroupMode {
+    let claimed = spec.node.as_ref().and_then(|n| n.cgroup_mode);
+    match (runtime.cgroup_mode, claimed) {
+        (Some(CgroupMode::V2), _) | (_, Some(CgroupMode::V2)) => CgroupMode::V2,
+        (Some(CgroupMode::V1), _) | (None, Some(CgroupMode::V1)) => CgroupMode::V1,
+        (None, None) => CgroupMode::V2,
+    }
+}
+
+/// Resolved inputs of the model for one shard shape.
 #[derive(Clone, Debug)]
 struct Inputs {
     connections: i64,
@@ -64,8 +97,17 @@ struct Inputs {
     /// Bytes a shard holds for unfinished input, beyond its connections
     /// ([`partial_budget_bytes`]).
     partial: i64,
-    kernel_node: i64,
-    kernel_pod: i64,
+    /// Kernel bytes of an idle connection on the node: socket, conntrack.
+    kernel_idle: i64,
+    /// Of `kernel_idle`, the bytes charged to the pod.
+    pod_kernel_idle: i64,
+    /// Queued-data bytes per connection at peak (the `queuedPercent` page share).
+    queued_bytes: i64,
+    /// Socket buffers are charged to the pod (cgroup v2).
+    buffers_in_pod: bool,
+    slow_percent: i64,
+    slow_kernel: i64,
+    slow_user: i64,
     headroom: i64,
     cpus: i64,
     fd_reserve: i64,
@@ -74,9 +116,21 @@ struct Inputs {
     queued_percent: i64,
     tracked: bool,
     raise_node_sysctls: bool,
+    cgroup_mode: CgroupMode,
+    failure_domain: FailureDomain,
+    refill_budget: i64,
     node: NodeFacts,
     defaults: KernelDefaults,
     ceilings: SysctlCeilings,
+}
+
+/// Node-wide limits a shard layout is checked against.
+struct NodeLimits {
+    tcp_mem_pressure: i64,
+    conntrack_max: i64,
+    file_max: i64,
+    nr_open: i64,
+    max_user_watches: i64,
 }
 
 impl Inputs {
@@ -85,29 +139,84 @@ impl Inputs {
         ceil_div(n * 100, 100 - self.headroom)
     }
 
-    /// Pages a shard with cap `l` charges to `tcp_mem` at peak: one per queued socket.
-    fn queued_pages(&self, l: i64) -> i64 {
-        ceil_div(l * self.queued_percent, 100)
+    /// Declared connections whose cap holds `l`: the least `n` with `cap(n) ≥ l`.
+    fn declared_for_cap(&self, l: i64) -> i64 {
+        ceil_div(l * (100 - self.headroom), 100)
     }
 
-    /// Memory limit of a shard container with cap `l`, rounded up to MiB:
-    /// the process base, the budget for unfinished input, and the
-    /// connections. Computed in `i128` (cap × bytes passes `i64` for a
-    /// 1 GiB custom backend near the connection bound) and saturated: a
-    /// limit that large fits no node, so the memory check refuses it.
+    /// RLIMIT_NOFILE of a shard with cap `l`.
+    fn nofile(&self, l: i64) -> i64 {
+        l + self.fd_reserve
+    }
+
+    /// Slow readers a shard with cap `l` is sized for.
+    fn slow_readers(&self, l: i64) -> i64 {
+        ceil_div(l * self.slow_percent, 100)
+    }
+
+    /// Pages a shard with cap `l` charges to `tcp_mem` at peak: one per
+    /// queued socket, and each slow reader's buffers.
+    fn tcp_mem_pages(&self, l: i64) -> i64 {
+        ceil_div(l * self.queued_percent, 100)
+            + self.slow_readers(l) * ceil_div(self.slow_kernel, PAGE_BYTES)
+    }
+
+    /// Bytes of a shard's memory beyond its connections: the process base,
+    /// the fd table for its `nofile`, the budget for unfinished input.
+    fn process_bytes(&self, l: i64) -> i64 {
+        PROCESS_BASE_BYTES + self.partial + fd_table_bytes(self.nofile(l))
+    }
+
+    /// Bytes one idle connection charges to the pod.
+    fn pod_bytes_per_connection(&self) -> BytesPerConnection {
+        BytesPerConnection {
+            user: self.user,
+            kernel: self.pod_kernel_idle,
+            total: self.user + self.pod_kernel_idle,
+        }
+    }
+
+    /// Bytes one slow reader pins beyond an idle connection.
+    fn slow_reader_bytes(&self) -> BytesPerConnection {
+        BytesPerConnection {
+            user: self.slow_user,
+            kernel: self.slow_kernel,
+            total: self.slow_user + self.slow_kernel,
+        }
+    }
+
+    /// Memory of a shard container with cap `l` at peak, bytes (`i128`:
+    /// cap × bytes passes `i64` for a 1 GiB custom backend near the
+    /// connection bound).
+    fn pod_bytes(&self, l: i64) -> i128 {
+        let buffers = |b: i64| if self.buffers_in_pod { b as i128 } else { 0 };
+        self.process_bytes(l) as i128
+            + l as i128 * (self.user + self.pod_kernel_idle) as i128
+            + buffers(ceil_div(l * self.queued_percent, 100) * PAGE_BYTES)
+            + self.slow_readers(l) as i128 * (self.slow_user as i128 + buffers(self.slow_kernel))
+    }
+
+    /// Memory limit of a shard container with cap `l`, rounded up to MiB
+    /// and saturated: a limit that large fits no node, so the memory check
+    /// refuses it.
     fn memory_limit(&self, l: i64) -> i64 {
-        let bytes = PROCESS_BASE_BYTES as i128
-            + self.partial as i128
-            + l as i128 * (self.user + self.kernel_pod) as i128;
-        saturate(ceil_div_wide(bytes, 1 << 20) * (1 << 20))
+        saturate(ceil_div_wide(self.pod_bytes(l), 1 << 20) * (1 << 20))
     }
 
     /// Node bytes one shard with cap `l` uses: its container limit plus the
     /// kernel bytes charged outside its cgroup (saturated like
     /// [`Self::memory_limit`]).
     fn node_bytes_per_shard(&self, l: i64) -> i64 {
+        let outside_buffers = if self.buffers_in_pod {
+            0
+        } else {
+            ceil_div(l * self.queued_percent, 100) as i128 * PAGE_BYTES as i128
+                + self.slow_readers(l) as i128 * self.slow_kernel as i128
+        };
         saturate(
-            self.memory_limit(l) as i128 + l as i128 * (self.kernel_node - self.kernel_pod) as i128,
+            self.memory_limit(l) as i128
+                + l as i128 * (self.kernel_idle - self.pod_kernel_idle) as i128
+                + outside_buffers,
         )
     }
 
@@ -117,19 +226,16 @@ impl Inputs {
     fn violations(&self, n: i64, s: i64, sysctls: Option<&Sysctls>) -> Vec<LimitingFactor> {
         let l = self.cap(n);
         let mut v = Vec::new();
-        let (pressure, conntrack_max, file_max, nr_open) = self.node_limits(sysctls);
+        let lim = self.node_limits(sysctls);
         // i128: s × bytes can pass i64 for absurd inputs during the search.
         if (s as i128) * (self.node_bytes_per_shard(l) as i128) > self.node.memory_bytes as i128 {
             v.push(LimitingFactor::Memory);
         }
-        if let Some(p) = pressure
-            && s * self.queued_pages(l) > p
-        {
+        if (s as i128) * (self.tcp_mem_pages(l) as i128) > lim.tcp_mem_pressure as i128 {
             v.push(LimitingFactor::TcpMem);
         }
-        let nofile = l + self.fd_reserve;
-        if nofile > self.nofile_hard || nofile > nr_open || file_max.is_some_and(|f| s * nofile > f)
-        {
+        let nofile = self.nofile(l);
+        if nofile > self.nofile_hard || nofile > lim.nr_open || s * nofile > lim.file_max {
             v.push(LimitingFactor::Nofile);
         }
         if self
@@ -139,69 +245,66 @@ impl Inputs {
         {
             v.push(LimitingFactor::Cpu);
         }
-        if self.tracked
-            && let Some(c) = conntrack_max
-            && s * l > c
-        {
+        if self.tracked && s * l > lim.conntrack_max {
             v.push(LimitingFactor::Conntrack);
         }
         if s > self.node.pods {
             v.push(LimitingFactor::Pods);
         }
+        if s * nofile > lim.max_user_watches {
+            v.push(LimitingFactor::MaxUserWatches);
+        }
         v
     }
 
-    /// Node-wide limits to check: (tcp_mem pressure, conntrack max, file-max,
-    /// nr_open). While planning, a limit the plan raises is checked against
-    /// the most the policy's ceilings let it raise to ([`Self::raisable`]);
-    /// with the plan's `sysctls` every limit is checked against them.
-    fn node_limits(
-        &self,
-        sysctls: Option<&Sysctls>,
-    ) -> (Option<i64>, Option<i64>, Option<i64>, i64) {
-        let get = |sysctl: Sysctl| -> i64 {
-            sysctls
-                .and_then(|m| m.get(&sysctl))
-                .unwrap_or(&self.defaults.value(sysctl))
-                .limit()
-        };
-        let d = &self.defaults;
+    /// Node-wide limits to check. While planning, a limit the plan raises
+    /// is checked against the most the policy's ceilings let it raise to
+    /// ([`Self::raisable`]); with the plan's `sysctls` every limit is
+    /// checked against them (kernel defaults where the plan sets none).
+    fn node_limits(&self, sysctls: Option<&Sysctls>) -> NodeLimits {
         match sysctls {
-            Some(_) => (
-                Some(get(Sysctl::TcpMem)),
-                Some(get(Sysctl::NfConntrackMax)),
-                Some(get(Sysctl::FileMax)),
-                get(Sysctl::NrOpen),
-            ),
-            None if self.raise_node_sysctls => {
-                let (pressure, conntrack, file_max, nr_open) = self.raisable();
-                (Some(pressure), Some(conntrack), Some(file_max), nr_open)
+            Some(m) => {
+                let get = |sysctl: Sysctl| -> i64 {
+                    m.get(&sysctl)
+                        .unwrap_or(&self.defaults.value(sysctl))
+                        .limit()
+                };
+                NodeLimits {
+                    tcp_mem_pressure: get(Sysctl::TcpMem),
+                    conntrack_max: get(Sysctl::NfConntrackMax),
+                    file_max: get(Sysctl::FileMax),
+                    nr_open: get(Sysctl::NrOpen),
+                    max_user_watches: get(Sysctl::MaxUserWatches),
+                }
             }
-            None => (
-                Some(d.tcp_mem[1]),
-                Some(d.conntrack_max),
-                Some(d.file_max),
-                DEFAULT_NR_OPEN,
-            ),
+            None if self.raise_node_sysctls => self.raisable(),
+            None => NodeLimits {
+                tcp_mem_pressure: self.defaults.tcp_mem[1],
+                conntrack_max: self.defaults.conntrack_max,
+                file_max: self.defaults.file_max,
+                nr_open: DEFAULT_NR_OPEN,
+                max_user_watches: self.defaults.max_user_watches,
+            },
         }
     }
 
     /// The most the plan may raise each node limit to under the policy's
-    /// ceilings, never below the kernel default: (tcp_mem pressure,
-    /// conntrack max, file-max, nr_open). The plan raises `tcp_mem`'s max to
-    /// 1.5 × its pressure and `fs.file-max` to the shards' files plus
-    /// [`FILE_MAX_SYSTEM_RESERVE`], so those leave room for that under
-    /// their ceilings.
-    fn raisable(&self) -> (i64, i64, i64, i64) {
+    /// ceilings, never below the kernel default. The plan raises
+    /// `tcp_mem`'s max to 1.5 × its pressure and `fs.file-max` to the
+    /// shards' files plus [`FILE_MAX_SYSTEM_RESERVE`], so those leave room
+    /// for that under their ceilings.
+    fn raisable(&self) -> NodeLimits {
         let (c, d) = (&self.ceilings, &self.defaults);
         let pressure = (c.tcp_mem_pages as i128 * 2 / 3) as i64;
-        (
-            d.tcp_mem[1].max(pressure),
-            d.conntrack_max.max(c.nf_conntrack_max),
-            d.file_max
+        NodeLimits {
+            tcp_mem_pressure: d.tcp_mem[1].max(pressure),
+            conntrack_max: d.conntrack_max.max(c.nf_conntrack_max),
+            file_max: d
+                .file_max
                 .max(c.file_max.saturating_sub(FILE_MAX_SYSTEM_RESERVE)),
-            DEFAULT_NR_OPEN.max(c.nr_open),
-        )
+            nr_open: DEFAULT_NR_OPEN.max(c.nr_open),
+            max_user_watches: d.max_user_watches.max(c.max_user_watches),
+        }
     }
 
     /// Node-level sysctls whose ceilings `s` shards per node of `n`
@@ -214,26 +317,29 @@ impl Inputs {
             return capped;
         }
         let l = self.cap(n);
-        let nofile = l + self.fd_reserve;
-        let (pressure, conntrack, file_max, nr_open) = self.raisable();
+        let nofile = self.nofile(l);
+        let lim = self.raisable();
         let c = &self.ceilings;
         let mut cap = |sysctl, ceiling| {
             capped.insert(sysctl, SysctlValue::One(ceiling));
         };
         match factor {
-            LimitingFactor::TcpMem if s * self.queued_pages(l) > pressure => {
+            LimitingFactor::TcpMem if s * self.tcp_mem_pages(l) > lim.tcp_mem_pressure => {
                 cap(Sysctl::TcpMem, c.tcp_mem_pages)
             }
-            LimitingFactor::Conntrack if self.tracked && s * l > conntrack => {
+            LimitingFactor::Conntrack if self.tracked && s * l > lim.conntrack_max => {
                 cap(Sysctl::NfConntrackMax, c.nf_conntrack_max)
             }
             LimitingFactor::Nofile => {
-                if nofile > nr_open && nr_open < self.nofile_hard {
+                if nofile > lim.nr_open && lim.nr_open < self.nofile_hard {
                     cap(Sysctl::NrOpen, c.nr_open);
                 }
-                if s * nofile > file_max {
+                if s * nofile > lim.file_max {
                     cap(Sysctl::FileMax, c.file_max);
                 }
+            }
+            LimitingFactor::MaxUserWatches if s * nofile > lim.max_user_watches => {
+                cap(Sysctl::MaxUserWatches, c.max_user_watches)
             }
             _ => {}
         }
@@ -252,6 +358,48 @@ impl Inputs {
             }
         }
         lo
+    }
+
+    /// How `shards` shards of at most `per_node` a node spread: (nodes,
+    /// shards lost with the largest failure domain). Under `Node` they
+    /// spread evenly over at least two nodes.
+    fn layout(&self, shards: i64, per_node: i64) -> (i64, i64) {
+        let nodes = ceil_div(shards, per_node);
+        match self.failure_domain {
+            FailureDomain::Node => {
+                let nodes = nodes.max(2).min(shards);
+                (nodes, ceil_div(shards, nodes))
+            }
+            FailureDomain::Shard => (nodes, 1),
+            FailureDomain::None => (nodes, 0),
+        }
+    }
+
+    /// Seconds the survivors of losing `lost` of `shards` shards (one at
+    /// least) take to re-accept the lost shards' declared connections at
+    /// [`ACCEPTS_PER_SECOND_PER_WORKER`] per worker.
+    fn refill_seconds(&self, shards: i64, lost: i64) -> i64 {
+        let lost = lost.max(1);
+        let connections = lost as i128 * ceil_div(self.connections, shards) as i128;
+        let survivors = (shards - lost).max(1);
+        let rate = survivors as i128 * self.cpus as i128 * ACCEPTS_PER_SECOND_PER_WORKER as i128;
+        saturate(ceil_div_wide(connections, rate))
+    }
+
+    /// What the fleet still lacks with `shards` shards whose caps can reach
+    /// `max_cap`: `FailureDomain` when the survivors of its largest domain
+    /// cannot hold every declared connection, `Refill` when they cannot
+    /// re-accept the lost ones within the budget (not checked under `None`).
+    fn availability_gap(&self, shards: i64, per_node: i64, max_cap: i64) -> Option<LimitingFactor> {
+        let (_, lost) = self.layout(shards, per_node);
+        if lost == 0 {
+            return None;
+        }
+        let survivors = shards - lost;
+        if survivors < 1 || (survivors as i128) * (max_cap as i128) < self.connections as i128 {
+            return Some(LimitingFactor::FailureDomain);
+        }
+        (self.refill_seconds(shards, lost) > self.refill_budget).then_some(LimitingFactor::Refill)
     }
 }
 
@@ -274,11 +422,67 @@ pub fn plan(spec: &ConnectionFleetSpec, node: NodeFacts) -> Result<Plan, PlanErr
     plan_under(spec, node, &Policy::default())
 }
 
+/// CPUs per shard the planner weighs when `spec.shard.cpus` is unset:
+/// powers of two up to the node's CPUs (at most the schema's 1,024), and
+/// the node's CPUs themselves.
+fn shape_candidates(node_cpus: i64) -> Vec<i64> {
+    let top = node_cpus.clamp(1, 1024);
+    let mut c: Vec<i64> = std::iter::successors(Some(1i64), |c| Some(c * 2))
+        .take_while(|&c| c <= top)
+        .collect();
+    if c.last() != Some(&top) {
+        c.push(top);
+    }
+    c
+}
+
+/// Order of shapes, cheapest first: holding the declared connections,
+/// then fewest nodes (the fleet's monthly cost), then most connections per
+/// node (the price of capacity), then a drain that fits the policy's
+/// grace bound, then fewest shards.
+fn shape_rank(spec: &ConnectionFleetSpec, p: &Plan) -> (bool, i32, Reverse<i64>, bool, i32) {
+    (
+        p.capacity < spec.connections,
+        p.nodes,
+        Reverse(p.connections_per_node),
+        p.drain_cut_by_policy,
+        p.shards,
+    )
+}
+
+/// The plan's shape as an alternative.
+fn shape_of(p: &Plan) -> Shape {
+    Shape {
+        cpus: p.cpus,
+        shards: p.shards,
+        shards_per_node: p.shards_per_node,
+        nodes: p.nodes,
+        capacity: p.capacity,
+        connections_per_node: p.connections_per_node,
+        limiting_factor: p.limiting_factor,
+        cost_per_million_connections_monthly: p.cost_per_million_connections_monthly,
+        monthly_cost: p.monthly_cost,
+    }
+}
+
+/// True when `alt` costs at most [`CHEAPER_SHAPE_PERCENT`] of `plan`: its
+/// nodes (the monthly cost), or with as many nodes, its price of capacity
+/// (connections per node).
+pub fn is_much_cheaper(alt: &Shape, plan: &Plan) -> bool {
+    let pct = CHEAPER_SHAPE_PERCENT as i128;
+    (alt.nodes as i128) * 100 <= plan.nodes as i128 * pct
+        || (alt.nodes <= plan.nodes
+            && (plan.connections_per_node as i128) * 100 <= alt.connections_per_node as i128 * pct)
+}
+
 /// Computes the plan for `spec` on nodes like `node` under the admin's
 /// `policy`: node-level sysctls are raised at most to its ceilings (the
 /// shards are sized to fit under them, and `sysctlsCapped` names a ceiling
 /// that limits connections per node), and the grace period is at most its
 /// bound (`drainCutByPolicy` says when the drain cannot finish in it).
+/// With `spec.shard.cpus` unset the planner plans every shape of
+/// [`shape_candidates`] and keeps the cheapest ([`shape_rank`]); either
+/// way the next-best shapes are listed (`alternativeShapes`).
 ///
 /// Errors: [`PlanError::Invalid`] for a spec the schema should have refused,
 /// [`PlanError::Infeasible`] when not one connection fits a shard on a node
@@ -289,8 +493,53 @@ pub fn plan_under(
     policy: &Policy,
 ) -> Result<Plan, PlanError> {
     let valid = validate(spec)?;
-    let inputs = Inputs::new(spec, valid.user_bytes, node, policy.sysctl_ceilings);
-    let cpus = inputs.cpus;
+    let mut shapes: Vec<Result<Plan, PlanError>> = shape_candidates(node.cpus)
+        .into_iter()
+        .filter(|&c| Some(c) != spec.shard.cpus.map(i64::from))
+        .map(|cpus| plan_shape(spec, &valid, cpus, node, policy))
+        .collect();
+    let chosen = match spec.shard.cpus {
+        Some(cpus) => {
+            let mut p = plan_shape(spec, &valid, i64::from(cpus), node, policy)?;
+            p.shape_source = ShapeSource::Spec;
+            p
+        }
+        None => {
+            let best = shapes
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().ok().map(|p| (i, p)))
+                .min_by_key(|(_, p)| shape_rank(spec, p))
+                .map(|(i, _)| i);
+            let Some(i) = best else {
+                // No shape fits: the smallest one's error says why.
+                return shapes.swap_remove(0);
+            };
+            let mut p = shapes.swap_remove(i).expect("an Ok shape was found");
+            p.shape_source = ShapeSource::Planner;
+            p
+        }
+    };
+    let mut others: Vec<Plan> = shapes.into_iter().filter_map(Result::ok).collect();
+    others.sort_by_key(|p| shape_rank(spec, p));
+    let mut plan = chosen;
+    plan.alternative_shapes = others
+        .iter()
+        .take(ALTERNATIVE_SHAPES)
+        .map(shape_of)
+        .collect();
+    Ok(plan)
+}
+
+/// The plan for `spec` with `cpus` CPUs per shard.
+fn plan_shape(
+    spec: &ConnectionFleetSpec,
+    valid: &Validated,
+    cpus: i64,
+    node: NodeFacts,
+    policy: &Policy,
+) -> Result<Plan, PlanError> {
+    let inputs = Inputs::new(spec, valid.user_bytes, cpus, node, policy.sysctl_ceilings);
     let tracked = inputs.tracked;
 
     if cpus > node.cpus {
@@ -309,33 +558,65 @@ pub fn plan_under(
         .unwrap_or((0, 0));
     if per_shard == 0 {
         return Err(PlanError::Infeasible(format!(
-            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a 64 MiB base, 8 MiB per worker of the bundled server, plus its connections)",
+            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a 64 MiB base, 8 MiB per worker of the bundled server, its fd table, plus its connections)",
             node.memory_bytes,
-            PROCESS_BASE_BYTES + inputs.partial,
-            inputs.user + inputs.kernel_node
+            inputs.process_bytes(1),
+            inputs.user + inputs.kernel_idle
         )));
     }
 
     let sh = &spec.shard;
+    let max_cap = inputs.cap(per_shard);
     let needed = ceil_div(inputs.connections, per_shard).max(sh.min_shards as i64);
-    let shards = needed.min(sh.max_shards as i64);
+    let max_shards = sh.max_shards as i64;
+    // Add shards until the fleet survives its largest failure domain and
+    // refills it within the budget (or maxShards stops it).
+    let mut shards = needed.min(max_shards);
+    let mut grown_for = None;
+    while let Some(gap) = inputs.availability_gap(shards, per_node_shards, max_cap) {
+        if shards >= max_shards {
+            grown_for = Some(LimitingFactor::MaxShards);
+            break;
+        }
+        grown_for = Some(gap);
+        shards += 1;
+    }
+    let (nodes, lost) = inputs.layout(shards, per_node_shards);
     // Slots bound first when no more shards fit a node; else the per-shard limit.
     let binding = *inputs
         .violations(per_shard + 1, per_node_shards, None)
         .first()
         .expect("max_per_shard stops below the search ceiling only when a constraint binds");
-    let limiting_factor = if needed > shards {
-        LimitingFactor::MaxShards
-    } else {
-        binding
+    // Availability names itself only where it costs nodes: more shards on
+    // the nodes the connections need anyway leave the per-node limit binding.
+    let bare_nodes = ceil_div(needed.min(max_shards), per_node_shards);
+    let limiting_factor = match grown_for {
+        _ if needed > shards => LimitingFactor::MaxShards,
+        Some(LimitingFactor::MaxShards) => LimitingFactor::MaxShards,
+        Some(gap) if nodes > bare_nodes => gap,
+        _ => binding,
     };
     let sysctls_capped = inputs.capped(per_shard + 1, per_node_shards, binding);
     let connections_per_shard = ceil_div(inputs.connections, shards).min(per_shard);
-    let sized_connections_per_shard = size_step(connections_per_shard, per_shard);
+    // Each survivor's cap holds its share of the declared connections once
+    // the largest domain is lost.
+    let failover_cap = if lost > 0 && shards > lost {
+        ceil_div(inputs.connections, shards - lost)
+    } else {
+        0
+    };
+    let sized_connections_per_shard = size_step(
+        connections_per_shard
+            .max(inputs.declared_for_cap(failover_cap))
+            .min(per_shard),
+        per_shard,
+    );
     let shard_connection_limit = inputs.cap(sized_connections_per_shard);
-    let shards_per_node = per_node_shards.min(shards);
-    let nodes = ceil_div(shards, shards_per_node);
-    let nofile = shard_connection_limit + inputs.fd_reserve;
+    let shards_per_node = ceil_div(shards, nodes);
+    // Node-level sysctls hold the most shards the scheduler may pack on a
+    // node (the spread over nodes is preferred, not required).
+    let packed = per_node_shards.min(shards);
+    let nofile = inputs.nofile(shard_connection_limit);
 
     let drain = drain::drain(
         shard_connection_limit,
@@ -348,11 +629,12 @@ pub fn plan_under(
         &inputs.defaults,
         &inputs.ceilings,
         NodeLoad {
-            connections: shards_per_node * shard_connection_limit,
-            queued_pages: shards_per_node * inputs.queued_pages(shard_connection_limit),
-            open_files: shards_per_node * nofile,
+            connections: packed * shard_connection_limit,
+            tcp_mem_pages: packed * inputs.tcp_mem_pages(shard_connection_limit),
+            open_files: packed * nofile,
             nofile,
             tracked,
+            watches: packed * nofile,
         },
     );
     let listen_backlog = LISTEN_BACKLOG.min(
@@ -364,6 +646,7 @@ pub fn plan_under(
     let connections_per_node = per_node_shards * per_shard;
     let price = valid.price_per_hour;
     let round_cents = |x: f64| (x * 100.0).round() / 100.0;
+    let monthly_cost = price.map(|p| nodes as f64 * p * HOURS_PER_MONTH);
     let plan = Plan {
         shards: shards as i32,
         connections_per_shard,
@@ -376,10 +659,15 @@ pub fn plan_under(
         connections_per_node,
         bytes_per_connection: BytesPerConnection {
             user: inputs.user,
-            kernel: inputs.kernel_node,
-            total: inputs.user + inputs.kernel_node,
+            kernel: inputs.kernel_idle + inputs.queued_bytes,
+            total: inputs.user + inputs.kernel_idle + inputs.queued_bytes,
         },
         memory_limit_bytes: inputs.memory_limit(shard_connection_limit),
+        cgroup_mode: inputs.cgroup_mode,
+        pod_bytes_per_connection: inputs.pod_bytes_per_connection(),
+        process_bytes: inputs.process_bytes(shard_connection_limit),
+        slow_readers_per_shard: inputs.slow_readers(shard_connection_limit),
+        slow_reader_bytes: inputs.slow_reader_bytes(),
         cpus: cpus as i32,
         workers: cpus as i32,
         nofile,
@@ -400,9 +688,16 @@ pub fn plan_under(
         node_cpus: node.cpus as i32,
         node_pods: node.pods.clamp(0, i32::MAX as i64) as i32,
         node_source: None,
+        failure_domain: inputs.failure_domain,
+        failure_domain_shards: lost as i32,
+        refill_seconds: inputs.refill_seconds(shards, lost),
+        shape_source: ShapeSource::Spec,
+        alternative_shapes: Vec::new(),
         cost_per_million_connections_monthly: price
             .map(|p| round_cents(p * HOURS_PER_MONTH / (connections_per_node as f64 / 1e6))),
-        monthly_cost: price.map(|p| round_cents(nodes as f64 * p * HOURS_PER_MONTH)),
+        actual_cost_per_million_connections_monthly: monthly_cost
+            .map(|m| round_cents(m / (inputs.connections as f64 / 1e6))),
+        monthly_cost: monthly_cost.map(round_cents),
     };
     // Self-check: a plan that breaks one of its own constraints is never returned.
     let violated = check(spec, &plan);
@@ -483,26 +778,45 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
             // Unused: the plan's own sysctls are checked.
             host_network_namespace: true,
             unsafe_sysctls: None,
+            cgroup_mode: Some(plan.cgroup_mode),
         },
     };
     let Ok(valid) = validate(spec) else {
         return vec![];
     };
-    let inputs = Inputs::new(spec, valid.user_bytes, node, SysctlCeilings::default());
-    inputs.violations(
+    let inputs = Inputs::new(
+        spec,
+        valid.user_bytes,
+        plan.cpus as i64,
+        node,
+        SysctlCeilings::default(),
+    );
+    // The most shards the scheduler may put on one node (the spread is
+    // preferred, not required).
+    let packed = (plan.connections_per_node / plan.max_connections_per_shard.max(1))
+        .clamp(1, plan.shards.max(1) as i64);
+    let mut violated = inputs.violations(
         plan.sized_connections_per_shard,
-        plan.shards_per_node as i64,
+        packed,
         Some(&plan.sysctls),
-    )
+    );
+    if plan.limiting_factor != LimitingFactor::MaxShards
+        && let Some(gap) =
+            inputs.availability_gap(plan.shards as i64, packed, plan.shard_connection_limit)
+    {
+        violated.push(gap);
+    }
+    violated
 }
 
 impl Inputs {
     /// Resolves the model's inputs from a validated spec (model defaults for
-    /// unset fields), its backend's `user` bytes per connection and the
-    /// policy's sysctl `ceilings`.
+    /// unset fields), its backend's `user` bytes per connection, the shard's
+    /// `cpus` and the policy's sysctl `ceilings`.
     fn new(
         spec: &ConnectionFleetSpec,
         user: i64,
+        cpus: i64,
         node: NodeFacts,
         ceilings: SysctlCeilings,
     ) -> Inputs {
@@ -511,14 +825,27 @@ impl Inputs {
         let kernel_socket = node_profile
             .kernel_bytes_per_socket
             .unwrap_or(KERNEL_BYTES_PER_SOCKET);
-        let queued_bytes = ceil_div(spec.backend.queued_percent as i64 * PAGE_BYTES, 100);
-        let cpus = spec.shard.cpus as i64;
+        let mode = cgroup_mode(spec, &node.runtime);
+        let bundled = spec.backend.model == BackendModel::Epoll;
         Inputs {
             connections: spec.connections,
             user,
-            partial: partial_budget_bytes(spec),
-            kernel_node: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 } + queued_bytes,
-            kernel_pod: kernel_socket.min(CGROUP_KERNEL_BYTES_PER_SOCKET) + queued_bytes,
+            partial: partial_budget_bytes(spec, cpus),
+            kernel_idle: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 },
+            pod_kernel_idle: match mode {
+                CgroupMode::V2 => kernel_socket,
+                CgroupMode::V1 => kernel_socket.min(POD_KERNEL_BYTES_PER_SOCKET_V1),
+            },
+            queued_bytes: ceil_div(spec.backend.queued_percent as i64 * PAGE_BYTES, 100),
+            buffers_in_pod: mode == CgroupMode::V2,
+            slow_percent: spec.backend.slow_reader_percent as i64,
+            slow_kernel: if bounds_socket_buffers(spec) {
+                SLOW_READER_KERNEL_BYTES
+            } else {
+                SLOW_READER_KERNEL_BYTES_UNBOUNDED
+            },
+            // Other servers' buffering is in their userBytesPerConnection.
+            slow_user: if bundled { SLOW_READER_USER_BYTES } else { 0 },
             headroom: spec.shard.headroom_percent as i64,
             cpus,
             fd_reserve: fd_reserve(cpus),
@@ -527,6 +854,9 @@ impl Inputs {
             queued_percent: spec.backend.queued_percent as i64,
             tracked,
             raise_node_sysctls: raises_node_sysctls(spec, &node.runtime),
+            cgroup_mode: mode,
+            failure_domain: spec.availability.failure_domain,
+            refill_budget: spec.availability.refill_budget_seconds as i64,
             node,
             defaults: KernelDefaults::for_node(node.memory_bytes, node.cpus),
             ceilings,
@@ -547,14 +877,30 @@ mod tests {
         runtime: crate::plan::NodeRuntime::UNKNOWN,
     };
 
-    fn spec(v: serde_json::Value) -> ConnectionFleetSpec {
+    /// A spec from JSON; without `availability`, one that plans no spare
+    /// capacity (`failureDomain: None`), and without `shard.cpus`, 8-CPU
+    /// shards, so that the per-node limits of one shape are what a test
+    /// sees. Availability and the free shape have their own tests.
+    fn spec(mut v: serde_json::Value) -> ConnectionFleetSpec {
+        if v.get("availability").is_none() {
+            v["availability"] = serde_json::json!({"failureDomain": "None"});
+        }
+        if v.pointer("/shard/cpus").is_none() {
+            if v.get("shard").is_none() {
+                v["shard"] = serde_json::json!({});
+            }
+            v["shard"]["cpus"] = serde_json::json!(8);
+        }
         serde_json::from_value(v).unwrap()
     }
 
     #[test]
-    fn epoll_10m_on_64_cpu_256_gib_is_memory_bound() {
-        let s =
-            spec(serde_json::json!({"connections": 10_000_000, "node": {"pricePerHour": "2.59"}}));
+    fn epoll_10m_on_64_cpu_256_gib_is_memory_bound_without_slow_readers() {
+        let s = spec(serde_json::json!({
+            "connections": 10_000_000,
+            "node": {"pricePerHour": "2.59"},
+            "backend": {"slowReaderPercent": 0}
+        }));
         let p = plan(&s, NODE).unwrap();
         assert_eq!(p.limiting_factor, LimitingFactor::Memory);
         assert_eq!(p.bytes_per_connection.user, EPOLL_USER_BYTES);
@@ -577,7 +923,8 @@ mod tests {
         assert_eq!(p.sysctls[&Sysctl::NrOpen], SysctlValue::One(p.nofile));
         assert_eq!(p.sysctls[&Sysctl::Somaxconn], SysctlValue::One(65535));
         assert_eq!(p.monthly_cost, Some(1890.70));
-        // Node capacity at 80 % of 256 GiB ÷ 4,695 B ≈ 46.8M connections.
+        // Node capacity at 80 % of 256 GiB ÷ ~4,695 B (4,651 per connection
+        // and each shard's process allowance) ≈ 46.8M connections.
         let expect = (256u64 << 30) as f64 * 0.8 / 4695.0;
         assert!(
             (p.connections_per_node as f64 - expect).abs() / expect < 0.01,
@@ -587,22 +934,65 @@ mod tests {
     }
 
     #[test]
+    fn slow_readers_bind_tcp_mem_at_the_policy_ceiling() {
+        // The default 1 % slow readers each pin 34 pages of bounded
+        // buffers: with queued pages that is ~0.44 pages per connection at
+        // the cap, and the policy's tcp_mem ceiling (2^24 pages, pressure
+        // 2/3 of it) binds before node memory does.
+        let s = spec(serde_json::json!({"connections": 10_000_000}));
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::TcpMem);
+        assert_eq!(
+            p.sysctls_capped,
+            Sysctls::from([(Sysctl::TcpMem, SysctlValue::One(1 << 24))])
+        );
+        assert_eq!(ceil_div(SLOW_READER_KERNEL_BYTES, PAGE_BYTES), 34);
+        let pressure = (1i64 << 24) * 2 / 3;
+        let per_connection = 0.10 + 0.01 * 34.0;
+        let expect = pressure as f64 / per_connection * 0.8;
+        assert!(
+            (p.connections_per_node as f64 - expect).abs() / expect < 0.01,
+            "{} vs {expect}",
+            p.connections_per_node
+        );
+        assert!(check(&s, &p).is_empty());
+    }
+
+    /// The memory limit the model gives a shard, recomputed from the
+    /// plan's own figures: process allowance (base, unfinished-input
+    /// budget, fd table), idle connections, queued pages and slow readers,
+    /// the buffers only under cgroup v2.
+    fn expected_limit(p: &Plan, partial: i64, queued_percent: i64) -> i64 {
+        let l = p.shard_connection_limit;
+        let v2 = p.cgroup_mode == CgroupMode::V2;
+        let buffers = |b: i64| if v2 { b } else { 0 };
+        let bytes = PROCESS_BASE_BYTES
+            + partial
+            + fd_table_bytes(p.nofile)
+            + l * p.pod_bytes_per_connection.total
+            + buffers(ceil_div(l * queued_percent, 100) * PAGE_BYTES)
+            + p.slow_readers_per_shard
+                * (p.slow_reader_bytes.user + buffers(p.slow_reader_bytes.kernel));
+        ceil_div(bytes, 1 << 20) * (1 << 20)
+    }
+
+    #[test]
     fn shard_memory_holds_the_unfinished_input_budget_of_its_workers() {
         // Issue 10, fault 10: what clients that stop mid-frame can make the
         // bundled server hold is its per-worker budget, a per-shard amount.
-        let mib = |b: i64| ceil_div(b, 1 << 20) * (1 << 20);
         for cpus in [1, 2, 8] {
             let s = spec(serde_json::json!({
                 "connections": 1_000_000,
                 "shard": {"cpus": cpus, "minShards": 4}
             }));
             let p = plan(&s, NODE).unwrap();
-            let per_conn = p.bytes_per_connection.user + CGROUP_KERNEL_BYTES_PER_SOCKET + 410;
+            assert_eq!(
+                p.process_bytes,
+                PROCESS_BASE_BYTES + i64::from(cpus) * (8 << 20) + fd_table_bytes(p.nofile)
+            );
             assert_eq!(
                 p.memory_limit_bytes,
-                mib(PROCESS_BASE_BYTES
-                    + i64::from(cpus) * (8 << 20)
-                    + p.shard_connection_limit * per_conn),
+                expected_limit(&p, i64::from(cpus) * (8 << 20), 10),
                 "{cpus} CPUs"
             );
             assert_eq!(
@@ -618,11 +1008,151 @@ mod tests {
             "backend": {"model": "custom", "userBytesPerConnection": 100}
         }));
         let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.slow_reader_bytes.user, 0);
+        assert_eq!(p.memory_limit_bytes, expected_limit(&p, 0, 10));
+    }
+
+    #[test]
+    fn the_pod_charge_follows_the_cgroup_mode() {
+        // Issue 8: cgroup v2 charges the whole socket and its buffers to
+        // the pod; v1 without socket accounting only ~1,485 B of it.
+        let at = |mode: &str| {
+            let s = spec(serde_json::json!({
+                "connections": 100_000,
+                "node": {"cgroupMode": mode},
+                "shard": {"cpus": 1},
+                "availability": {"failureDomain": "None"}
+            }));
+            let p = plan(&s, NODE).unwrap();
+            assert!(check(&s, &p).is_empty());
+            p
+        };
+        let (v2, v1) = (at("v2"), at("v1"));
         assert_eq!(
-            p.memory_limit_bytes,
-            mib(PROCESS_BASE_BYTES
-                + p.shard_connection_limit * (100 + CGROUP_KERNEL_BYTES_PER_SOCKET + 410))
+            (v2.cgroup_mode, v1.cgroup_mode),
+            (CgroupMode::V2, CgroupMode::V1)
         );
+        assert_eq!(v2.pod_bytes_per_connection.kernel, KERNEL_BYTES_PER_SOCKET);
+        assert_eq!(
+            v1.pod_bytes_per_connection.kernel,
+            POD_KERNEL_BYTES_PER_SOCKET_V1
+        );
+        assert_eq!(v2.memory_limit_bytes, expected_limit(&v2, 8 << 20, 10));
+        assert_eq!(v1.memory_limit_bytes, expected_limit(&v1, 8 << 20, 10));
+        assert!(v2.memory_limit_bytes > v1.memory_limit_bytes);
+        // The node pays the same either way: what v1 leaves out of the pod
+        // is counted outside it.
+        assert_eq!(v2.bytes_per_connection, v1.bytes_per_connection);
+        // Slow readers: 1 % of the cap, bounded buffers, the server's tail.
+        assert_eq!(
+            v2.slow_readers_per_shard,
+            ceil_div(v2.shard_connection_limit, 100)
+        );
+        assert_eq!(v2.slow_reader_bytes.kernel, SLOW_READER_KERNEL_BYTES);
+        assert_eq!(v2.slow_reader_bytes.user, SLOW_READER_USER_BYTES);
+        assert_eq!(
+            v2.sysctls[&Sysctl::TcpWmem],
+            SysctlValue::Triple([4096, 16_384, SOCKET_BUFFER_MAX_BYTES])
+        );
+        assert_eq!(v2.sysctls[&Sysctl::TcpRmem], v2.sysctls[&Sysctl::TcpWmem]);
+    }
+
+    #[test]
+    fn unbounded_buffers_charge_what_a_slow_reader_pins_by_default() {
+        let s = spec(serde_json::json!({
+            "connections": 100_000,
+            "sysctls": {"mode": "None"},
+            "shard": {"cpus": 1}
+        }));
+        let p = plan(&s, NODE).unwrap();
+        assert!(!p.sysctls.contains_key(&Sysctl::TcpRmem));
+        assert_eq!(
+            p.slow_reader_bytes.kernel,
+            SLOW_READER_KERNEL_BYTES_UNBOUNDED
+        );
+        assert!(check(&s, &p).is_empty());
+    }
+
+    #[test]
+    fn the_fleet_survives_its_largest_failure_domain() {
+        let at = |domain: &str| {
+            let s = spec(serde_json::json!({
+                "connections": 10_000_000,
+                "shard": {"cpus": 8},
+                "availability": {"failureDomain": domain}
+            }));
+            let p = plan(&s, NODE).unwrap();
+            assert!(check(&s, &p).is_empty(), "{domain}: {:?}", check(&s, &p));
+            p
+        };
+        let node = at("Node");
+        assert!(node.nodes >= 2);
+        assert_eq!(node.failure_domain_shards, node.shards_per_node);
+        let survivors = (node.shards - node.failure_domain_shards) as i64;
+        assert!(survivors * node.shard_connection_limit >= 10_000_000);
+        assert!(node.refill_seconds <= 60);
+        let shard = at("Shard");
+        assert_eq!(shard.failure_domain_shards, 1);
+        assert!((shard.shards as i64 - 1) * shard.shard_connection_limit >= 10_000_000);
+        let none = at("None");
+        assert_eq!(none.failure_domain_shards, 0);
+        assert!(none.shards <= shard.shards && shard.shards <= node.shards);
+        // A tight refill budget adds shards (more workers re-accept).
+        let s = spec(serde_json::json!({
+            "connections": 10_000_000,
+            "shard": {"cpus": 8},
+            "availability": {"refillBudgetSeconds": 1}
+        }));
+        let p = plan(&s, NODE).unwrap();
+        assert!(p.refill_seconds <= 1, "{}", p.refill_seconds);
+        assert!(p.shards > node.shards);
+        assert_eq!(p.limiting_factor, LimitingFactor::Refill);
+    }
+
+    #[test]
+    fn the_planner_picks_the_cheapest_shape() {
+        // Issue 8 "done when": 10M goroutine connections on 64-CPU /
+        // 256 GiB / $2.59 nodes with the shape left free cost at most
+        // 1.25 × the seed's $189 per 1M per month.
+        let free: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 10_000_000,
+            "backend": {"model": "goroutine"},
+            "node": {"pricePerHour": "2.59"}
+        }))
+        .unwrap();
+        let p = plan(&free, NODE).unwrap();
+        assert_eq!(p.shape_source, ShapeSource::Planner);
+        assert!(check(&free, &p).is_empty());
+        let price = p.cost_per_million_connections_monthly.unwrap();
+        assert!(price <= 1.25 * 189.0, "{price}");
+        assert_eq!(
+            p.actual_cost_per_million_connections_monthly,
+            Some(((p.monthly_cost.unwrap() / 10.0) * 100.0).round() / 100.0)
+        );
+        // Every alternative costs at least as much.
+        assert!(!p.alternative_shapes.is_empty());
+        for alt in &p.alternative_shapes {
+            assert!(
+                (alt.nodes, Reverse(alt.connections_per_node))
+                    >= (p.nodes, Reverse(p.connections_per_node)),
+                "{alt:?}"
+            );
+        }
+        // The 8-CPU shape the user might guess: nofile binds at 524,288,
+        // and the planner's shape is named as much cheaper.
+        let fixed = spec(serde_json::json!({
+            "connections": 10_000_000,
+            "backend": {"model": "goroutine"},
+            "node": {"pricePerHour": "2.59"},
+            "shard": {"cpus": 8}
+        }));
+        let f = plan(&fixed, NODE).unwrap();
+        assert_eq!(f.shape_source, ShapeSource::Spec);
+        assert!(f.nofile <= DEFAULT_NOFILE_HARD_LIMIT);
+        let best = &f.alternative_shapes[0];
+        assert_eq!(best.cpus, p.cpus);
+        assert!(is_much_cheaper(best, &f));
+        assert!(!is_much_cheaper(&p.alternative_shapes[0], &p));
     }
 
     #[test]
@@ -685,7 +1215,11 @@ mod tests {
             serde_json::json!({"connections": 2_000_000, "sysctls": {"mode": "PodSecurityContext"}}),
         );
         let p = plan(&s, NODE).unwrap();
-        assert!(p.sysctls.is_empty(), "{:?}", p.sysctls);
+        // Only the kubelet-safe socket buffer bounds.
+        assert_eq!(
+            p.sysctls.keys().copied().collect::<Vec<_>>(),
+            [Sysctl::TcpRmem, Sysctl::TcpWmem]
+        );
         assert_eq!(
             p.sysctls_not_applied,
             vec![
@@ -724,7 +1258,7 @@ mod tests {
         let p = plan(&s, strict).unwrap();
         assert_eq!(
             p.sysctls.keys().copied().collect::<Vec<_>>(),
-            vec![Sysctl::Somaxconn]
+            vec![Sysctl::Somaxconn, Sysctl::TcpRmem, Sysctl::TcpWmem]
         );
         assert_eq!(
             p.sysctls_not_applied,
@@ -733,7 +1267,12 @@ mod tests {
         let p = plan(&s, NODE).unwrap();
         assert_eq!(
             p.sysctls.keys().copied().collect::<Vec<_>>(),
-            vec![Sysctl::Somaxconn, Sysctl::TcpMaxSynBacklog]
+            vec![
+                Sysctl::Somaxconn,
+                Sysctl::TcpMaxSynBacklog,
+                Sysctl::TcpRmem,
+                Sysctl::TcpWmem
+            ]
         );
 
         let s = spec(
@@ -750,7 +1289,7 @@ mod tests {
     #[test]
     fn tcp_mem_binds_when_it_cannot_be_raised() {
         let s = spec(
-            serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100},
+            serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100, "slowReaderPercent": 0},
             "node": {"conntrack": false}, "sysctls": {"mode": "None"}}),
         );
         let small = NodeFacts {
@@ -763,7 +1302,7 @@ mod tests {
         assert_eq!(p.limiting_factor, LimitingFactor::TcpMem);
         // Raised instead in InitContainer mode.
         let s = spec(
-            serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100}, "node": {"conntrack": false}}),
+            serde_json::json!({"connections": 1_000_000, "backend": {"queuedPercent": 100, "slowReaderPercent": 0}, "node": {"conntrack": false}}),
         );
         let p = plan(&s, small).unwrap();
         assert!(p.sysctls.contains_key(&Sysctl::TcpMem));
@@ -831,7 +1370,9 @@ mod tests {
     /// nodes), the plan stays sound, and it names the ceiling that binds.
     #[test]
     fn policy_ceilings_cap_node_sysctls_and_the_plan_fits_under_them() {
-        let s = spec(serde_json::json!({"connections": 10_000_000}));
+        let s = spec(
+            serde_json::json!({"connections": 10_000_000, "backend": {"slowReaderPercent": 0}}),
+        );
         let free = plan(&s, NODE).unwrap();
         assert!(
             free.sysctls_capped.is_empty(),
@@ -878,14 +1419,14 @@ mod tests {
         let queued = spec(serde_json::json!({"connections": 1_000_000,
             "backend": {"queuedPercent": 100}, "node": {"conntrack": false}}));
         let free = plan(&queued, small).unwrap();
-        let SysctlValue::Pages([_, pressure, _]) = free.sysctls[&Sysctl::TcpMem] else {
+        let SysctlValue::Triple([_, pressure, _]) = free.sysctls[&Sysctl::TcpMem] else {
             panic!("tcp_mem is raised without a tight ceiling")
         };
         let ceiling = pressure; // below the 1.5 × pressure the free plan's max needs
         let policy = policy_with(serde_json::json!({"net.ipv4.tcp_mem": ceiling}));
         let p = plan_under(&queued, small, &policy).unwrap();
         assert!(check(&queued, &p).is_empty());
-        if let Some(SysctlValue::Pages(c)) = p.sysctls.get(&Sysctl::TcpMem) {
+        if let Some(SysctlValue::Triple(c)) = p.sysctls.get(&Sysctl::TcpMem) {
             let default = KernelDefaults::for_node(small.memory_bytes, small.cpus).tcp_mem;
             for (v, d) in c.iter().zip(default) {
                 assert!(*v <= ceiling.max(d), "{c:?}");
@@ -945,7 +1486,8 @@ mod tests {
         let claim = spec(serde_json::json!({
             "connections": 100_000_000,
             "node": {"memory": "1Pi", "cpus": 100_000},
-            "shard": {"cpus": 2}
+            "shard": {"cpus": 2},
+            "backend": {"slowReaderPercent": 0}
         }));
         let small = NodeFacts {
             memory_bytes: 8 << 30,
@@ -979,7 +1521,7 @@ mod tests {
             (ClusterBelowSpec, ClusterBelowSpec)
         );
         assert_eq!(real.shards_per_node, 2);
-        assert_eq!(conntrack(&real), 1_810_590);
+        assert_eq!(conntrack(&real), 1_806_958);
         assert!(real.sysctls_capped.is_empty(), "{:?}", real.sysctls_capped);
 
         let mut unclaimed = claim.clone();
@@ -1091,20 +1633,28 @@ mod tests {
             any::<bool>(),
             (1i64..=1024, 4i64..=1024, 1i32..=200),
             (proptest::option::of(1024i64..=4_000_000), any::<bool>(), any::<bool>()),
+            (
+                prop_oneof![Just("Node"), Just("Shard"), Just("None")],
+                0i32..=100,
+                1i32..=3600,
+                prop_oneof![Just(CgroupMode::V1), Just(CgroupMode::V2)],
+            ),
         )
-            .prop_map(|(c, model, user, queued, cpus, headroom, mode, tracked, (gib, ncpu, min_shards), (nofile, sys_resource, netns))| {
+            .prop_map(|(c, model, user, queued, cpus, headroom, mode, tracked, (gib, ncpu, min_shards), (nofile, sys_resource, netns), (domain, slow, refill, cgroup))| {
                 let s = spec(serde_json::json!({
                     "connections": c,
-                    "backend": {"model": model, "userBytesPerConnection": user, "queuedPercent": queued},
+                    "backend": {"model": model, "userBytesPerConnection": user, "queuedPercent": queued, "slowReaderPercent": slow},
                     "node": {"conntrack": tracked},
                     "shard": {"cpus": cpus, "headroomPercent": headroom, "minShards": min_shards, "maxShards": 100000},
                     "sysctls": {"mode": mode},
+                    "availability": {"failureDomain": domain, "refillBudgetSeconds": refill},
                 }));
                 let runtime = NodeRuntime {
                     nofile_hard_limit: nofile,
                     sys_resource,
                     host_network_namespace: netns,
                     unsafe_sysctls: None,
+                    cgroup_mode: Some(cgroup),
                 };
                 (s, NodeFacts { memory_bytes: gib << 30, cpus: ncpu.max(cpus as i64), pods: 110, runtime })
             })
@@ -1132,11 +1682,58 @@ mod tests {
             }
             let defaults = KernelDefaults::for_node(node.memory_bytes, node.cpus);
             for (sysctl, value) in &p.sysctls {
+                if matches!(sysctl, Sysctl::TcpRmem | Sysctl::TcpWmem) {
+                    // Bounds, not raises: what a slow reader may pin.
+                    prop_assert_eq!(*value, super::super::sysctl::socket_buffers());
+                    continue;
+                }
                 let d = defaults.value(*sysctl);
                 prop_assert!(value.raises(d), "{sysctl}={value} does not raise {d}");
             }
             // Headroom: at the declared load each shard uses at most (100 − h) % of its cap.
             prop_assert!(p.connections_per_shard * 100 <= p.shard_connection_limit * (100 - s.shard.headroom_percent as i64));
+            // Availability: the survivors of the largest failure domain hold
+            // every declared connection, and re-accept the lost ones in budget.
+            if p.limiting_factor != LimitingFactor::MaxShards && p.failure_domain != FailureDomain::None {
+                let survivors = (p.shards - p.failure_domain_shards) as i64;
+                prop_assert!(p.failure_domain_shards >= 1);
+                prop_assert!(survivors as i128 * p.shard_connection_limit as i128 >= s.connections as i128);
+                prop_assert!(p.refill_seconds <= s.availability.refill_budget_seconds as i64);
+                if p.failure_domain == FailureDomain::Node {
+                    prop_assert!(p.nodes >= 2 && p.failure_domain_shards == p.shards_per_node);
+                }
+            }
+            // Slow readers and the pod charge follow the spec and the mode.
+            prop_assert_eq!(p.slow_readers_per_shard, ceil_div(p.shard_connection_limit * s.backend.slow_reader_percent as i64, 100));
+            prop_assert!(p.memory_limit_bytes >= p.process_bytes + p.shard_connection_limit * p.pod_bytes_per_connection.total);
+        }
+
+        /// With the shape left free the plan is sound, and no alternative
+        /// shape it lists ranks before it.
+        #[test]
+        fn a_free_shape_is_sound_and_the_cheapest((s, node) in arb_spec()) {
+            let mut free = s.clone();
+            free.shard.cpus = None;
+            let Ok(p) = plan(&free, node) else { return Ok(()); };
+            prop_assert_eq!(p.shape_source, ShapeSource::Planner);
+            prop_assert!(check(&free, &p).is_empty(), "violations {:?}", check(&free, &p));
+            for alt in &p.alternative_shapes {
+                prop_assert!(alt.cpus != p.cpus);
+                prop_assert!(
+                    (alt.capacity < free.connections, alt.nodes, Reverse(alt.connections_per_node))
+                        >= (p.capacity < free.connections, p.nodes, Reverse(p.connections_per_node)),
+                    "{:?} ranks before the chosen shape", alt
+                );
+            }
+        }
+
+        #[test]
+        fn shards_never_decrease_as_slow_readers_grow((s, node) in arb_spec(), extra in 0i32..=100) {
+            let Ok(a) = plan(&s, node) else { return Ok(()); };
+            let mut slower = s.clone();
+            slower.backend.slow_reader_percent = (s.backend.slow_reader_percent + extra).min(100);
+            let Ok(b) = plan(&slower, node) else { return Ok(()); };
+            prop_assert!(b.shards >= a.shards, "{} < {}", b.shards, a.shards);
         }
 
         /// Under any ceilings the plan is sound, raises only, and never
@@ -1147,7 +1744,7 @@ mod tests {
             (nr_open, file_max, tcp_mem, conntrack) in (1i64..=1 << 31, 1i64..=1 << 34, 1i64..=1 << 30, 1i64..=1 << 31),
         ) {
             let policy = Policy {
-                sysctl_ceilings: SysctlCeilings { nr_open, file_max, tcp_mem_pages: tcp_mem, nf_conntrack_max: conntrack },
+                sysctl_ceilings: SysctlCeilings { nr_open, file_max, tcp_mem_pages: tcp_mem, nf_conntrack_max: conntrack, max_user_watches: file_max },
                 ..Policy::default()
             };
             let Ok(p) = plan_under(&s, node, &policy) else { return Ok(()); };
@@ -1155,7 +1752,9 @@ mod tests {
             let defaults = KernelDefaults::for_node(node.memory_bytes, node.cpus);
             for (sysctl, value) in &p.sysctls {
                 let d = defaults.value(*sysctl);
-                prop_assert!(value.raises(d), "{sysctl}={value} does not raise {d}");
+                if sysctl.scope() == crate::api::sysctl::Scope::Node {
+                    prop_assert!(value.raises(d), "{sysctl}={value} does not raise {d}");
+                }
                 if let Some(c) = super::super::sysctl::ceiling(&policy.sysctl_ceilings, *sysctl) {
                     for (v, d) in value.components().iter().zip(d.components()) {
                         prop_assert!(*v <= c.max(d), "{sysctl}={value} above ceiling {c}");
@@ -1170,9 +1769,11 @@ mod tests {
         #[test]
         fn limiting_factor_is_the_one_that_binds((s, node) in arb_spec()) {
             let Ok(p) = plan(&s, node) else { return Ok(()); };
-            if p.limiting_factor == LimitingFactor::MaxShards { return Ok(()); }
+            if matches!(p.limiting_factor, LimitingFactor::MaxShards | LimitingFactor::FailureDomain | LimitingFactor::Refill) {
+                return Ok(());
+            }
             // One more connection per shard at the node's full packing breaks the named limit.
-            let inputs = Inputs::new(&s, validate(&s).unwrap().user_bytes, node, SysctlCeilings::default());
+            let inputs = Inputs::new(&s, validate(&s).unwrap().user_bytes, p.cpus as i64, node, SysctlCeilings::default());
             let per_shard = p.max_connections_per_shard;
             let v = inputs.violations(per_shard + 1, p.connections_per_node / per_shard, None);
             prop_assert_eq!(v.first().copied(), Some(p.limiting_factor));

@@ -12,10 +12,78 @@ pub const PAGE_BYTES: i64 = 4096;
 /// epoll 192 (docs/KERNEL_FACTS.md, measured).
 pub const KERNEL_BYTES_PER_SOCKET: i64 = 3965;
 
-/// Of [`KERNEL_BYTES_PER_SOCKET`], the part charged to the pod's memory cgroup:
-/// TCP sock + file + epoll, ~2.65–2.75 KB; inode and dentry land on the node
-/// outside the pod (docs/KERNEL_FACTS.md, measured, cgroup v1; upper figure used).
-pub const CGROUP_KERNEL_BYTES_PER_SOCKET: i64 = 2750;
+/// Of [`KERNEL_BYTES_PER_SOCKET`], the part an idle connection charges to
+/// its pod's memory cgroup under cgroup v1 without socket accounting (as
+/// the kubelet leaves it): file, inode, dentry and epoll items, not the
+/// 2,368 B `tcp_sock`: ~1,485 B (docs/KERNEL_FACTS.md, measured with the
+/// bundled server in its own memory cgroup, 15,000–18,760 connections;
+/// re-measured by `make bench-fidelity`). Under cgroup v2 the whole socket
+/// is charged: [`KERNEL_BYTES_PER_SOCKET`] (measured ~3,860 B; the slab
+/// figure is kept, 2.7 % above).
+pub const POD_KERNEL_BYTES_PER_SOCKET_V1: i64 = 1485;
+
+/// Bytes of a process's fd table per RLIMIT_NOFILE slot, in tenths of a
+/// byte: ~8.5 B (an 8 B `struct file *` plus the open/close-on-exec/full
+/// bitmaps), allocated in powers of two as descriptors are opened and
+/// charged to the pod (docs/KERNEL_FACTS.md, measured: 64 MiB at nofile
+/// 6.45M; `fs/file.c` `alloc_fdtable`).
+pub const FD_TABLE_TENTHS_PER_SLOT: i64 = 85;
+
+/// Bytes of the fd table of a process holding `nofile` descriptors: the
+/// slots rounded up to a power of two × [`FD_TABLE_TENTHS_PER_SLOT`].
+pub fn fd_table_bytes(nofile: i64) -> i64 {
+    let slots = (nofile.max(1) as u64).next_power_of_two() as i64;
+    (slots * FD_TABLE_TENTHS_PER_SLOT + 9) / 10
+}
+
+/// Per-socket buffer bound the plan sets as the max of both
+/// `net.ipv4.tcp_rmem` and `net.ipv4.tcp_wmem`, bytes: 64 KiB, one
+/// WebSocket frame of the bundled server's default largest size (65,536)
+/// and one read chunk ([`c10m_wire::limits::READ_CHUNK_BYTES`]). Idle
+/// connections hold no buffers, so the bound costs them nothing; it caps
+/// what a peer that stops reading can pin (docs/KERNEL_FACTS.md).
+pub const SOCKET_BUFFER_MAX_BYTES: i64 = 65_536;
+
+/// `tcp_rmem`/`tcp_wmem` min and default the plan sets with
+/// [`SOCKET_BUFFER_MAX_BYTES`], bytes: the kernel's own min (one page) and
+/// its `tcp_wmem` default (16 KiB, `net/ipv4/tcp.c` `tcp_init`).
+pub const SOCKET_BUFFER_MIN_BYTES: i64 = 4096;
+/// See [`SOCKET_BUFFER_MIN_BYTES`].
+pub const SOCKET_BUFFER_DEFAULT_BYTES: i64 = 16_384;
+
+/// Kernel bytes one slow reader (a peer that sends and never reads) pins
+/// with buffers bounded by [`SOCKET_BUFFER_MAX_BYTES`]: its receive queue
+/// and the send queue of the server's replies, each charged by skb
+/// truesize up to the buffer bound (`sk_rcvbuf`, `sk_sndbuf`), plus one
+/// page each side may overshoot by. Measured by `make bench-fidelity`:
+/// 128,150–135,100 B per slow reader in the server's socket (1 MiB sent,
+/// never read, 300 slow readers, docs/KERNEL_FACTS.md).
+pub const SLOW_READER_KERNEL_BYTES: i64 = 2 * SOCKET_BUFFER_MAX_BYTES + 2 * PAGE_BYTES;
+
+/// Kernel bytes one slow reader pins with the kernel's default buffers
+/// (when the plan cannot set `tcp_rmem`/`tcp_wmem`): the send queue grows
+/// to the `tcp_wmem` max (4 MiB) and the receive queue to ~1.5 MB
+/// (docs/KERNEL_FACTS.md, measured: ~5.7 MB per slow reader).
+pub const SLOW_READER_KERNEL_BYTES_UNBOUNDED: i64 = 5_700_000;
+
+/// User-space bytes the bundled server keeps for a connection whose peer
+/// stopped reading: at most the unsent tail of one read
+/// ([`c10m_wire::limits::READ_CHUNK_BYTES`]) and its allocation overhead;
+/// it stops reading that connection until the tail is sent
+/// (`server-image/src/conn.rs`). `make bench-fidelity` measured
+/// 31,700–49,500 B on average (server RSS delta ÷ slow readers): the
+/// bound is what the plan charges.
+pub const SLOW_READER_USER_BYTES: i64 = c10m_wire::limits::READ_CHUNK_BYTES as i64 + 4096;
+
+/// Connections one worker of the bundled server accepts per second while
+/// a shard refills, connections/s: `make bench-fidelity` measured the idle
+/// fill rate of a 1-worker server at 23,700–60,800/s with its clients on
+/// the same 2 vCPUs; the lowest, rounded down (docs/KERNEL_FACTS.md).
+pub const ACCEPTS_PER_SECOND_PER_WORKER: i64 = 20_000;
+
+/// Bytes of one epoll watch (`struct epitem` + `struct eppoll_entry`,
+/// `EP_ITEM_COST` in `fs/eventpoll.c`): ~184 B (docs/KERNEL_FACTS.md).
+pub const EPOLL_WATCH_BYTES: i64 = 184;
 
 /// Bytes per tracked connection in the `nf_conntrack` slab (docs/KERNEL_FACTS.md, measured).
 pub const CONNTRACK_BYTES: i64 = 256;
@@ -88,6 +156,9 @@ pub struct KernelDefaults {
     pub file_max: i64,
     /// `net.netfilter.nf_conntrack_max` as kube-proxy sets it: max(131072, 32768 × cores), capped at 1,048,576 (docs/KERNEL_FACTS.md).
     pub conntrack_max: i64,
+    /// `fs.epoll.max_user_watches`: 4 % of RAM ÷ [`EPOLL_WATCH_BYTES`]
+    /// (`fs/eventpoll.c` `eventpoll_init`; 5,491,489 on a 24 GiB host, docs/KERNEL_FACTS.md).
+    pub max_user_watches: i64,
 }
 
 impl KernelDefaults {
@@ -100,6 +171,7 @@ impl KernelDefaults {
             tcp_mem: [min, pressure, min * 2],
             file_max: (memory_bytes / 1024 / 10).max(8192),
             conntrack_max: (32_768 * cpus).clamp(131_072, 1_048_576),
+            max_user_watches: memory_bytes / 25 / EPOLL_WATCH_BYTES,
         }
     }
 }
@@ -108,15 +180,20 @@ impl KernelDefaults {
     /// The kernel default of `sysctl` on this node. Used to render only
     /// raises and to prove plans only raise.
     pub fn value(&self, sysctl: Sysctl) -> SysctlValue {
-        use SysctlValue::{One, Pages};
+        use SysctlValue::{One, Triple};
         match sysctl {
             Sysctl::Somaxconn => One(DEFAULT_SOMAXCONN),
             Sysctl::TcpMaxSynBacklog => One(DEFAULT_TCP_MAX_SYN_BACKLOG),
             Sysctl::TcpMigrateReq => One(0),
-            Sysctl::TcpMem => Pages(self.tcp_mem),
+            Sysctl::TcpMem => Triple(self.tcp_mem),
             Sysctl::NfConntrackMax => One(self.conntrack_max),
             Sysctl::FileMax => One(self.file_max),
             Sysctl::NrOpen => One(DEFAULT_NR_OPEN),
+            Sysctl::MaxUserWatches => One(self.max_user_watches),
+            // Host values are copied into each new netns; the kernel's own
+            // defaults (`tcp_init`) for a 256 GiB node.
+            Sysctl::TcpRmem => Triple([4096, 131_072, 6_291_456]),
+            Sysctl::TcpWmem => Triple([4096, 16_384, 4_194_304]),
         }
     }
 }

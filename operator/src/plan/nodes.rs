@@ -12,8 +12,8 @@ use super::kernel::KERNEL_BYTES_PER_SOCKET;
 use crate::api::status::{ClaimSource, NodeSource, NodeValueSource};
 use crate::api::sysctl::Sysctl;
 use crate::api::{
-    ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH, MIN_NODE_MEMORY_BYTES,
-    NodeProfile, QUANTITY_PATTERN,
+    CgroupMode, ConnectionFleetSpec, MAX_NODE_MEMORY_BYTES, MAX_QUANTITY_LENGTH,
+    MIN_NODE_MEMORY_BYTES, NodeProfile, QUANTITY_PATTERN,
 };
 use crate::names;
 
@@ -51,16 +51,19 @@ pub struct NodeRuntime {
     /// Sysctls the node's kubelet allows besides its safe set (`None`: not
     /// said; `spec.sysctls.allowedUnsafe` is then taken at its word).
     pub unsafe_sysctls: Option<SysctlSet>,
+    /// The node's cgroup version (`None`: not said; the plan then assumes
+    /// [`CgroupMode::V2`], which charges the pod more).
+    pub cgroup_mode: Option<CgroupMode>,
 }
 
 /// A set of the sysctls the planner knows ([`Sysctl::ALL`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SysctlSet(u8);
+pub struct SysctlSet(u16);
 
-const _: () = assert!(Sysctl::ALL.len() <= 8, "SysctlSet holds 8 sysctls");
+const _: () = assert!(Sysctl::ALL.len() <= 16, "SysctlSet holds 16 sysctls");
 
 impl SysctlSet {
-    fn bit(sysctl: Sysctl) -> u8 {
+    fn bit(sysctl: Sysctl) -> u16 {
         let i = Sysctl::ALL
             .iter()
             .position(|&s| s == sysctl)
@@ -101,6 +104,7 @@ impl NodeRuntime {
         sys_resource: true,
         host_network_namespace: true,
         unsafe_sysctls: None,
+        cgroup_mode: None,
     };
 
     /// The facts `node`'s labels state. A nofile label that is not a
@@ -122,12 +126,17 @@ impl NodeRuntime {
                 .as_ref()
                 .and_then(|a| a.get(names::NODE_ALLOWED_UNSAFE_SYSCTLS_ANNOTATION))
                 .map(|list| SysctlSet::from_kubelet_list(list)),
+            cgroup_mode: match label(names::NODE_CGROUP_MODE_LABEL) {
+                Some("v1") => Some(CgroupMode::V1),
+                Some("v2") => Some(CgroupMode::V2),
+                _ => None,
+            },
         }
     }
 
     /// What holds on a node described by both `self` and `other` (a pod may
     /// land on either): the smaller nofile limit, each capability only if
-    /// both have it.
+    /// both have it, cgroup v1 charges only if neither says v2.
     pub fn and(self, other: NodeRuntime) -> NodeRuntime {
         NodeRuntime {
             nofile_hard_limit: match (self.nofile_hard_limit, other.nofile_hard_limit) {
@@ -140,6 +149,10 @@ impl NodeRuntime {
                 (Some(a), Some(b)) => Some(SysctlSet(a.0 & b.0)),
                 (a, b) => a.or(b),
             },
+            cgroup_mode: match (self.cgroup_mode, other.cgroup_mode) {
+                (Some(CgroupMode::V2), _) | (_, Some(CgroupMode::V2)) => Some(CgroupMode::V2),
+                (a, b) => a.or(b),
+            },
         }
     }
 
@@ -150,6 +163,7 @@ impl NodeRuntime {
             sys_resource: profile.sys_resource.unwrap_or(true),
             host_network_namespace: profile.host_network_namespace.unwrap_or(true),
             unsafe_sysctls: None,
+            cgroup_mode: profile.cgroup_mode,
         }
     }
 }
@@ -244,10 +258,18 @@ pub fn placeable(nodes: &[Node], tolerations: &[Toleration]) -> Vec<Node> {
 /// [`NodeRuntime`] facts that hold on all of them. `None` when the list is
 /// empty or no node reports allocatable.
 pub fn observed(nodes: &[Node]) -> Option<NodeFacts> {
-    let runtime = nodes
+    let mut runtime = nodes
         .iter()
         .map(NodeRuntime::of)
         .fold(NodeRuntime::UNKNOWN, NodeRuntime::and);
+    // v1 charges a pod less: only where every node says v1.
+    if runtime.cgroup_mode == Some(CgroupMode::V1)
+        && nodes
+            .iter()
+            .any(|n| NodeRuntime::of(n).cgroup_mode.is_none())
+    {
+        runtime.cgroup_mode = None;
+    }
     nodes
         .iter()
         .filter_map(|n| {
@@ -701,6 +723,7 @@ mod tests {
                 sys_resource: false,
                 host_network_namespace: false,
                 unsafe_sysctls: None,
+                cgroup_mode: None,
             }
         );
         assert_eq!(NodeRuntime::of(&node("1Gi", "1")), NodeRuntime::UNKNOWN);
@@ -807,6 +830,7 @@ mod tests {
                 sys_resource: false,
                 host_network_namespace: true,
                 unsafe_sysctls: None,
+                cgroup_mode: None,
             },
         };
         let with = |n: serde_json::Value| -> NodeRuntime {
@@ -827,6 +851,7 @@ mod tests {
                 sys_resource: false,
                 host_network_namespace: false,
                 unsafe_sysctls: None,
+                cgroup_mode: None,
             }
         );
         // Offline (no cluster): the spec's word.

@@ -37,14 +37,17 @@ pub const FILE_MAX_SYSTEM_RESERVE: i64 = 65_536;
 pub struct NodeLoad {
     /// Connections of all shards on the node.
     pub connections: i64,
-    /// `tcp_mem` pages charged at peak (one per socket holding queued data).
-    pub queued_pages: i64,
+    /// `tcp_mem` pages charged at peak: one per socket holding queued
+    /// data, and each slow reader's bounded buffers.
+    pub tcp_mem_pages: i64,
     /// File descriptors of all shards on the node.
     pub open_files: i64,
     /// RLIMIT_NOFILE of one shard.
     pub nofile: i64,
     /// Connections pass through conntrack.
     pub tracked: bool,
+    /// Epoll watches of the shards' uid on the node (one per descriptor).
+    pub watches: i64,
 }
 
 /// The ceiling the policy puts on node-level `sysctl` (`None` for a
@@ -55,7 +58,12 @@ pub fn ceiling(ceilings: &SysctlCeilings, sysctl: Sysctl) -> Option<i64> {
         Sysctl::NfConntrackMax => Some(ceilings.nf_conntrack_max),
         Sysctl::FileMax => Some(ceilings.file_max),
         Sysctl::NrOpen => Some(ceilings.nr_open),
-        Sysctl::Somaxconn | Sysctl::TcpMaxSynBacklog | Sysctl::TcpMigrateReq => None,
+        Sysctl::MaxUserWatches => Some(ceilings.max_user_watches),
+        Sysctl::Somaxconn
+        | Sysctl::TcpMaxSynBacklog
+        | Sysctl::TcpMigrateReq
+        | Sysctl::TcpRmem
+        | Sysctl::TcpWmem => None,
     }
 }
 
@@ -65,11 +73,28 @@ fn clamp(value: SysctlValue, default: SysctlValue, ceiling: i64) -> SysctlValue 
     let cut = |v: i64, d: i64| v.min(ceiling.max(d));
     match (value, default) {
         (SysctlValue::One(v), SysctlValue::One(d)) => SysctlValue::One(cut(v, d)),
-        (SysctlValue::Pages(v), SysctlValue::Pages(d)) => {
-            SysctlValue::Pages([cut(v[0], d[0]), cut(v[1], d[1]), cut(v[2], d[2])])
+        (SysctlValue::Triple(v), SysctlValue::Triple(d)) => {
+            SysctlValue::Triple([cut(v[0], d[0]), cut(v[1], d[1]), cut(v[2], d[2])])
         }
         (v, _) => v,
     }
+}
+
+/// The `tcp_rmem`/`tcp_wmem` value the plan sets: (min, default, max) =
+/// ([`kernel::SOCKET_BUFFER_MIN_BYTES`], [`kernel::SOCKET_BUFFER_DEFAULT_BYTES`],
+/// [`kernel::SOCKET_BUFFER_MAX_BYTES`]) bytes.
+pub fn socket_buffers() -> SysctlValue {
+    SysctlValue::Triple([
+        kernel::SOCKET_BUFFER_MIN_BYTES,
+        kernel::SOCKET_BUFFER_DEFAULT_BYTES,
+        kernel::SOCKET_BUFFER_MAX_BYTES,
+    ])
+}
+
+/// True when the plan bounds socket buffers (`tcp_rmem`/`tcp_wmem`): every
+/// mode but `None` can set them (kubelet-safe since Kubernetes 1.32).
+pub fn bounds_socket_buffers(spec: &ConnectionFleetSpec) -> bool {
+    spec.sysctls.mode != SysctlMode::None
 }
 
 /// True when the plan raises node-level sysctls (`tcp_mem`,
@@ -94,13 +119,17 @@ pub fn plan_sysctls(
     ceilings: &SysctlCeilings,
     load: NodeLoad,
 ) -> (Sysctls, Vec<Sysctl>) {
-    use SysctlValue::{One, Pages};
+    use SysctlValue::{One, Triple};
     let mut wants: Vec<(Sysctl, SysctlValue)> = vec![
         (Sysctl::Somaxconn, One(kernel::LISTEN_BACKLOG)),
         (Sysctl::TcpMaxSynBacklog, One(kernel::LISTEN_BACKLOG)),
         // With 1, closing one SO_REUSEPORT listener migrates its queued
         // connections instead of resetting them (docs/KERNEL_FACTS.md, measured).
         (Sysctl::TcpMigrateReq, One(1)),
+        // Bounded socket buffers: what a slow reader can pin (kubelet-safe,
+        // so PodSecurityContext mode sets them too).
+        (Sysctl::TcpRmem, socket_buffers()),
+        (Sysctl::TcpWmem, socket_buffers()),
     ];
     const {
         assert!(
@@ -112,9 +141,9 @@ pub fn plan_sysctls(
     let mode = spec.sysctls.mode;
     if raises_node_sysctls(spec, runtime) {
         let [min, pressure, max] = defaults.tcp_mem;
-        if load.queued_pages > pressure {
-            let p = load.queued_pages;
-            wants.push((Sysctl::TcpMem, Pages([min, p, max.max(p + p / 2)])));
+        if load.tcp_mem_pages > pressure {
+            let p = load.tcp_mem_pages;
+            wants.push((Sysctl::TcpMem, Triple([min, p, max.max(p + p / 2)])));
         }
         if load.tracked && load.connections > defaults.conntrack_max {
             wants.push((Sysctl::NfConntrackMax, One(load.connections)));
@@ -125,6 +154,9 @@ pub fn plan_sysctls(
         }
         if load.nofile > kernel::DEFAULT_NR_OPEN {
             wants.push((Sysctl::NrOpen, One(load.nofile)));
+        }
+        if load.watches > defaults.max_user_watches {
+            wants.push((Sysctl::MaxUserWatches, One(load.watches)));
         }
     }
 

@@ -62,8 +62,10 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
     let user_bytes = user_bytes(spec)?;
     let price_per_hour = price_per_hour(spec)?;
     let sh = &spec.shard;
-    if sh.cpus < 1 {
-        return bad(format!("spec.shard.cpus must be >= 1, got {}", sh.cpus));
+    if let Some(c) = sh.cpus
+        && !(1..=1024).contains(&c)
+    {
+        return bad(format!("spec.shard.cpus must be 1..=1024, got {c}"));
     }
     if !(0..=90).contains(&sh.headroom_percent) {
         return bad(format!(
@@ -84,10 +86,20 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
             "spec.backend.connectionsPerCpu must be 1..=10000000000, got {c}"
         ));
     }
-    if !(0..=100).contains(&spec.backend.queued_percent) {
+    for (field, percent) in [
+        ("queuedPercent", spec.backend.queued_percent),
+        ("slowReaderPercent", spec.backend.slow_reader_percent),
+    ] {
+        if !(0..=100).contains(&percent) {
+            return bad(format!(
+                "spec.backend.{field} must be 0..=100, got {percent}"
+            ));
+        }
+    }
+    let refill = spec.availability.refill_budget_seconds;
+    if !(1..=86_400).contains(&refill) {
         return bad(format!(
-            "spec.backend.queuedPercent must be 0..=100, got {}",
-            spec.backend.queued_percent
+            "spec.availability.refillBudgetSeconds must be 1..=86400, got {refill}"
         ));
     }
     for (field, port) in [
