@@ -23,6 +23,7 @@ help:
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
 	@echo "make measure-server    c10m-server memory per idle connection, one process (JSON)"
 	@echo "make bench-server      c10m-server vs tokio-naive vs floor probe, 150k connections each (target/bench/server.json)"
+	@echo "make bench-fidelity    one planned shard filled to its cap in its memory cgroup, v1 and socket-accounted (root; target/bench/fidelity.json)"
 	@echo "make test-server-scale 40k connections over 3 servers; 100k abusive connections"
 	@echo "make fuzz              cargo-fuzz each parser for FUZZ_SECONDS each (default 20; nightly + cargo-fuzz)"
 
@@ -72,12 +73,20 @@ measure-server:
 	python3 server-image/bench/idle_memory.py target/release/c10m-server 19000 | tee target/bench/idle-memory.json
 
 # --- c10m-server benchmark, scale test and fuzzing (server-image/README.md) ---
-.PHONY: bench-server test-server-scale fuzz
+.PHONY: bench-server bench-fidelity test-server-scale fuzz
 
 bench-server:
 	$(CARGO) build --release -p c10m-server -p c10m-loadgen --bins --examples
 	@mkdir -p target/bench
 	python3 server-image/bench/server_bench.py --out target/bench/server.json
+
+# Capacity proof: plans a 15k-18k-connection shard with the real planner and
+# fills one real c10m-server to that cap inside the plan's memory cgroup and
+# a netns with its sysctls (root, cgroup v1; see the script's docstring).
+bench-fidelity:
+	$(CARGO) build --release -p c10m-server -p c10m-operator
+	@mkdir -p target/bench
+	python3 server-image/bench/fidelity.py --out target/bench/fidelity.json
 
 test-server-scale:
 	$(CARGO) build --release -p c10m-loadgen

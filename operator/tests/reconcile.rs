@@ -449,7 +449,7 @@ async fn a_claim_bigger_than_the_nodes_is_planned_and_raised_for_the_nodes() {
         json!({"memory": "ClusterBelowSpec", "cpus": "ClusterBelowSpec", "pods": "Cluster"})
     );
     assert_eq!(
-        plan["sysctls"]["net.netfilter.nf_conntrack_max"], "1246746",
+        plan["sysctls"]["net.netfilter.nf_conntrack_max"], "1261600",
         "two 2-CPU shards on the 8 GiB node, not the claim's 67108800: {plan}"
     );
     assert!(plan.get("sysctlsCapped").is_none(), "{plan}");
@@ -457,7 +457,7 @@ async fn a_claim_bigger_than_the_nodes_is_planned_and_raised_for_the_nodes() {
     let init = &applied[0].body.as_ref().unwrap()["spec"]["template"]["spec"]["initContainers"][0];
     assert!(
         init["args"].as_array().unwrap().contains(&json!(
-            "--raise-node=net.netfilter.nf_conntrack_max=1246746"
+            "--raise-node=net.netfilter.nf_conntrack_max=1261600"
         )),
         "{init}"
     );

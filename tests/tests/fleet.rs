@@ -17,10 +17,10 @@ const MINUTE: Duration = Duration::from_secs(60);
 const NO_FAILURE_DOMAIN: &str = "  availability:\n    failureDomain: None\n";
 
 /// The connections a fleet is re-planned to, for "more connections, more
-/// shards". 3M, not more: a 2-CPU epoll shard now holds ~368k connections
-/// (slow readers' buffers bind `tcp_mem` per node), so 20M would take 55–66
-/// shards (110+ of the 192 KWOK CPUs), more than tests running side by side
-/// can share.
+/// shards". 3M, not more: a 2-CPU epoll shard holds ~635k connections at
+/// most (slow readers' buffers bind `tcp_mem` per node at the policy's
+/// ceiling), so 20M would take 32 shards and more to survive a node (64+ of
+/// the 192 KWOK CPUs), more than tests running side by side can share.
 const MORE_CONNECTIONS: i64 = 3_000_000;
 
 fn fleet_manifest(name: &str, connections: i64, extra: &str) -> String {
@@ -74,16 +74,17 @@ fn fleet_is_planned_deployed_replanned_and_deleted() {
     let plan = &fleet["status"]["plan"];
     let shards = plan["shards"].as_i64().unwrap();
     // The default availability (failureDomain Node): 1M connections need
-    // minShards 3 (~345k each at most), but the fleet must survive losing
-    // its busiest node, so it runs 3 shards on each of 2 nodes: the 3
-    // survivors' caps hold all 1M. The extra node is what limits.
+    // minShards 3, but the fleet must survive losing its busiest node: 3
+    // shards on 2 nodes leave 1 survivor (cap ~546k), so it runs 4, 2 per
+    // node, whose 2 survivors' caps hold all 1M. The extra node is what
+    // limits.
     assert_eq!(
-        shards, 6,
-        "3 shards per node on 2 nodes for 1M connections: {plan}"
+        shards, 4,
+        "2 shards per node on 2 nodes for 1M connections: {plan}"
     );
     assert_eq!(plan["failureDomain"], "Node", "{plan}");
     assert_eq!(plan["nodes"], 2, "{plan}");
-    assert_eq!(plan["failureDomainShards"], 3, "{plan}");
+    assert_eq!(plan["failureDomainShards"], 2, "{plan}");
     assert_eq!(plan["limitingFactor"], "failureDomain", "{plan}");
     assert!(
         (shards - plan["failureDomainShards"].as_i64().unwrap())

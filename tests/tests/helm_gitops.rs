@@ -262,8 +262,8 @@ fn helm_lifecycle_with_least_privilege_rbac() {
     let (ok, out) = apply(fns, &fleet("edge", 1_000_000));
     assert!(ok, "{out}");
     let f = wait_ready(fns, "edge");
-    // 3 shards of ~368k at most (minShards 2 is below what 1M needs).
-    assert_eq!(f["status"]["desiredShards"], 3, "{}", f["status"]["plan"]);
+    // 2 shards of ~508k at most: minShards 2 is what 1M needs.
+    assert_eq!(f["status"]["desiredShards"], 2, "{}", f["status"]["plan"]);
     assert_eq!(f["status"]["desiredShards"], f["status"]["plan"]["shards"]);
     assert!(
         !op.log_text().contains("CRD applied"),

@@ -94,6 +94,9 @@ pub fn cgroup_mode(spec: &ConnectionFleetSpec, runtime: &NodeRuntime) -> CgroupM
 struct Inputs {
     connections: i64,
     user: i64,
+    /// Bytes of a shard process beyond its connections, fd table and
+    /// unfinished input.
+    base: i64,
     /// Bytes a shard holds for unfinished input, beyond its connections
     /// ([`partial_budget_bytes`]).
     partial: i64,
@@ -164,7 +167,7 @@ impl Inputs {
     /// Bytes of a shard's memory beyond its connections: the process base,
     /// the fd table for its `nofile`, the budget for unfinished input.
     fn process_bytes(&self, l: i64) -> i64 {
-        PROCESS_BASE_BYTES + self.partial + fd_table_bytes(self.nofile(l))
+        self.base + self.partial + fd_table_bytes(self.nofile(l))
     }
 
     /// Bytes one idle connection charges to the pod.
@@ -558,7 +561,7 @@ fn plan_shape(
         .unwrap_or((0, 0));
     if per_shard == 0 {
         return Err(PlanError::Infeasible(format!(
-            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a 64 MiB base, 8 MiB per worker of the bundled server, its fd table, plus its connections)",
+            "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a base (16 MiB for the bundled server, 64 MiB for others), 8 MiB per worker of the bundled server, its fd table, plus its connections)",
             node.memory_bytes,
             inputs.process_bytes(1),
             inputs.user + inputs.kernel_idle
@@ -830,6 +833,11 @@ impl Inputs {
         Inputs {
             connections: spec.connections,
             user,
+            base: if bundled {
+                BUNDLED_PROCESS_BASE_BYTES
+            } else {
+                PROCESS_BASE_BYTES
+            },
             partial: partial_budget_bytes(spec, cpus),
             kernel_idle: kernel_socket + if tracked { CONNTRACK_BYTES } else { 0 },
             pod_kernel_idle: match mode {
@@ -966,7 +974,13 @@ mod tests {
         let l = p.shard_connection_limit;
         let v2 = p.cgroup_mode == CgroupMode::V2;
         let buffers = |b: i64| if v2 { b } else { 0 };
-        let bytes = PROCESS_BASE_BYTES
+        // The bundled server's base when it has a partial budget.
+        let base = if partial > 0 {
+            BUNDLED_PROCESS_BASE_BYTES
+        } else {
+            PROCESS_BASE_BYTES
+        };
+        let bytes = base
             + partial
             + fd_table_bytes(p.nofile)
             + l * p.pod_bytes_per_connection.total
@@ -988,7 +1002,7 @@ mod tests {
             let p = plan(&s, NODE).unwrap();
             assert_eq!(
                 p.process_bytes,
-                PROCESS_BASE_BYTES + i64::from(cpus) * (8 << 20) + fd_table_bytes(p.nofile)
+                BUNDLED_PROCESS_BASE_BYTES + i64::from(cpus) * (8 << 20) + fd_table_bytes(p.nofile)
             );
             assert_eq!(
                 p.memory_limit_bytes,
@@ -1521,7 +1535,7 @@ mod tests {
             (ClusterBelowSpec, ClusterBelowSpec)
         );
         assert_eq!(real.shards_per_node, 2);
-        assert_eq!(conntrack(&real), 1_806_958);
+        assert_eq!(conntrack(&real), 1_828_430);
         assert!(real.sysctls_capped.is_empty(), "{:?}", real.sysctls_capped);
 
         let mut unclaimed = claim.clone();

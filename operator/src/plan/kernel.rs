@@ -56,8 +56,9 @@ pub const SOCKET_BUFFER_DEFAULT_BYTES: i64 = 16_384;
 /// and the send queue of the server's replies, each charged by skb
 /// truesize up to the buffer bound (`sk_rcvbuf`, `sk_sndbuf`), plus one
 /// page each side may overshoot by. Measured by `make bench-fidelity`:
-/// 128,150–135,100 B per slow reader in the server's socket (1 MiB sent,
-/// never read, 300 slow readers, docs/KERNEL_FACTS.md).
+/// 128,150–135,170 B per slow reader in the server's socket (receive queue
+/// ~64.3 KB, send queue ~68.5 KB, reserve ~2.3 KB; 1 MiB sent and never
+/// read; docs/KERNEL_FACTS.md).
 pub const SLOW_READER_KERNEL_BYTES: i64 = 2 * SOCKET_BUFFER_MAX_BYTES + 2 * PAGE_BYTES;
 
 /// Kernel bytes one slow reader pins with the kernel's default buffers
@@ -71,14 +72,16 @@ pub const SLOW_READER_KERNEL_BYTES_UNBOUNDED: i64 = 5_700_000;
 /// ([`c10m_wire::limits::READ_CHUNK_BYTES`]) and its allocation overhead;
 /// it stops reading that connection until the tail is sent
 /// (`server-image/src/conn.rs`). `make bench-fidelity` measured
-/// 31,700–49,500 B on average (server RSS delta ÷ slow readers): the
+/// 27,000–49,500 B on average (server RSS delta ÷ slow readers): the
 /// bound is what the plan charges.
 pub const SLOW_READER_USER_BYTES: i64 = c10m_wire::limits::READ_CHUNK_BYTES as i64 + 4096;
 
 /// Connections one worker of the bundled server accepts per second while
 /// a shard refills, connections/s: `make bench-fidelity` measured the idle
-/// fill rate of a 1-worker server at 23,700–60,800/s with its clients on
-/// the same 2 vCPUs; the lowest, rounded down (docs/KERNEL_FACTS.md).
+/// fill rate of a 1-worker server at 49,500–91,800/s on a quiet 2-vCPU VM
+/// (the clients, on the same vCPUs, were the bound: the worker was 23–43 %
+/// busy) and down to ~18,000–23,700/s with the local control plane running
+/// beside it; the plan counts on 20,000 (docs/KERNEL_FACTS.md).
 pub const ACCEPTS_PER_SECOND_PER_WORKER: i64 = 20_000;
 
 /// Bytes of one epoll watch (`struct epitem` + `struct eppoll_entry`,
@@ -101,11 +104,19 @@ pub const GOROUTINE_USER_BYTES: i64 = 11_900;
 /// Rounded up to 20.
 pub const EPOLL_USER_BYTES: i64 = 20;
 
-/// Memory allowed per shard process beyond its connections: runtime, thread
-/// stacks, per-worker scratch buffers, metrics. A generous 64 MiB bound: the
-/// bundled server's idle RSS is 3.3–3.5 MB with 2 workers (`make
-/// measure-server`) and a Go runtime's heap arenas and stacks fit too.
+/// Memory allowed per shard process beyond its connections for servers
+/// other than the bundled one: runtime, thread stacks, per-worker scratch
+/// buffers, metrics. A generous 64 MiB bound, chosen: a Go runtime's heap
+/// arenas and stacks fit.
 pub const PROCESS_BASE_BYTES: i64 = 64 << 20;
+
+/// Memory allowed per bundled `c10m-server` process beyond its
+/// connections, its fd table and its unfinished-input budget: 16 MiB. Its
+/// idle RSS is 3.3–3.5 MB with 2 workers (`make measure-server`), and
+/// `make bench-fidelity` measured 1.0–1.3 MB charged to its memory cgroup
+/// before the first client; each worker adds a 64 KiB read buffer and its
+/// event array.
+pub const BUNDLED_PROCESS_BASE_BYTES: i64 = 16 << 20;
 
 /// Descriptors allowed beyond the bundled server's own reserve, for servers
 /// that open more (a Go runtime's netpoller, log files). Chosen, not measured.
