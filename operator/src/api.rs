@@ -593,7 +593,8 @@ pub struct NodeProfile {
     /// buffers are charged to the pod) or `v1` (without socket accounting:
     /// only files, inodes and epoll items are). In a cluster the plan uses
     /// `v1` only where every placeable node is labelled
-    /// `c10m.dev/cgroup-mode: v1` or this says `v1` and no node says `v2`.
+    /// `c10m.dev/cgroup-mode: v1` (`v2` here makes it v2 anyway; `v1` here
+    /// is used only offline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_mode: Option<CgroupMode>,
 }

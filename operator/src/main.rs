@@ -146,7 +146,8 @@ fn read_fleets(file: &PathBuf) -> anyhow::Result<Vec<ConnectionFleet>> {
                 i + 1
             );
         }
-        let fleet: ConnectionFleet = serde_yaml::from_value(value)
+        // The error names the field (`spec.availability.failureDomain: unknown variant ...`).
+        let fleet: ConnectionFleet = serde_path_to_error::deserialize(value)
             .with_context(|| format!("document {} is not a valid ConnectionFleet", i + 1))?;
         fleets.push(fleet);
     }
@@ -363,5 +364,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_field_offline_is_named_by_its_path() {
+        let dir = std::env::temp_dir().join(format!("c10m-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("fleet.yaml");
+        std::fs::write(
+            &file,
+            "apiVersion: c10m.dev/v1alpha1\nkind: ConnectionFleet\nmetadata: {name: bad}\nspec:\n  connections: 1000\n  availability: {failureDomain: node}\n",
+        )
+        .unwrap();
+        let err = format!("{:#}", read_fleets(&file).unwrap_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            err.contains("spec.availability.failureDomain: unknown variant `node`"),
+            "{err}"
+        );
     }
 }

@@ -370,11 +370,12 @@ pub fn render(
 /// How a fleet's shards spread over nodes: evenly by hostname, counting
 /// each revision's pods apart (`pod-template-hash`), so a rollout's new
 /// pods spread too. A plan that survives its busiest node
-/// (`failureDomain: Node`) requires the spread (`DoNotSchedule`, over the
-/// nodes whose taints the fleet tolerates): the scheduler never packs more
-/// of its shards on one node than the survivors can cover, and a shard
-/// that cannot be placed so stays Pending and says why. Other plans
-/// prefer it (`ScheduleAnyway`).
+/// (`failureDomain: Node`) requires the spread over at least two nodes
+/// (`DoNotSchedule`, `minDomains: 2`, over the nodes whose taints the fleet
+/// tolerates): the scheduler never packs more of its shards on one node
+/// than the survivors can cover, and a shard that cannot be placed so (a
+/// one-node cluster) stays Pending and says why. Other plans prefer it
+/// (`ScheduleAnyway`).
 fn spread_over_nodes(name: &str, plan: &Plan) -> TopologySpreadConstraint {
     let required = plan.failure_domain == FailureDomain::Node;
     TopologySpreadConstraint {
@@ -387,6 +388,7 @@ fn spread_over_nodes(name: &str, plan: &Plan) -> TopologySpreadConstraint {
         }
         .into(),
         node_taints_policy: Some("Honor".into()),
+        min_domains: required.then_some(2),
         label_selector: Some(LabelSelector {
             match_labels: Some(selector(name)),
             ..Default::default()

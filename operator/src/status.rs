@@ -338,10 +338,17 @@ pub fn next_status(
                     DEGRADED,
                     true,
                     Reason::MaxShardsReached,
-                    format!(
-                        "spec.shard.maxShards caps the fleet at {} shards holding {} of {} declared connections",
-                        plan.shards, plan.capacity, declared
-                    ),
+                    if plan.capacity >= declared {
+                        format!(
+                            "spec.shard.maxShards caps the fleet at {} shards: they hold its {} declared connections, but not after losing its failure domain ({:?}: {} shards)",
+                            plan.shards, declared, plan.failure_domain, plan.failure_domain_shards
+                        )
+                    } else {
+                        format!(
+                            "spec.shard.maxShards caps the fleet at {} shards holding {} of {} declared connections",
+                            plan.shards, plan.capacity, declared
+                        )
+                    },
                 );
             } else if plan.drain_cut_by_policy {
                 set(
@@ -352,7 +359,7 @@ pub fn next_status(
                 );
             } else {
                 let mut message = format!("the plan holds {} connections", plan.capacity);
-                if let Some(hint) = cheaper_shape_hint(plan) {
+                if let Some(hint) = cheaper_shape_hint(plan, declared) {
                     message.push_str("; ");
                     message.push_str(&hint);
                 }
@@ -425,18 +432,17 @@ pub fn next_status(
     status
 }
 
-/// What `Degraded=True DrainCannotFinish` says: the shard's drain, the
-/// When the spec fixed the shard shape and the planner found one at most
-/// [`crate::plan::capacity::CHEAPER_SHAPE_PERCENT`] % of its cost, a
-/// sentence naming it and what it saves (`None` otherwise).
-fn cheaper_shape_hint(plan: &crate::api::Plan) -> Option<String> {
+/// When the spec fixed the shard shape and the planner found one holding
+/// as much at most [`crate::plan::capacity::CHEAPER_SHAPE_PERCENT`] % of
+/// its cost, a sentence naming it and what it saves (`None` otherwise).
+fn cheaper_shape_hint(plan: &crate::api::Plan, declared: i64) -> Option<String> {
     if plan.shape_source != crate::api::ShapeSource::Spec {
         return None;
     }
-    let alt = plan.alternative_shapes.first()?;
-    if !crate::plan::capacity::is_much_cheaper(alt, plan) {
-        return None;
-    }
+    let alt = plan
+        .alternative_shapes
+        .iter()
+        .find(|alt| crate::plan::capacity::is_much_cheaper(alt, plan, declared))?;
     let cost = |nodes: i32, cpm: Option<f64>| match cpm {
         Some(c) => format!("{nodes} nodes at ${c:.2} per million connections monthly"),
         None => format!("{nodes} nodes"),
@@ -452,6 +458,7 @@ fn cheaper_shape_hint(plan: &crate::api::Plan) -> Option<String> {
     ))
 }
 
+/// What `Degraded=True DrainCannotFinish` says: the shard's drain, the
 /// bound that cut it, when the rest is closed, and the rate that would fit.
 fn drain_cut_message(plan: &Plan) -> String {
     let grace = plan.termination_grace_period_seconds;

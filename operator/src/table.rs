@@ -138,10 +138,20 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     }
     row(
         "failureDomain",
-        format!(
-            "{:?}: {} shards lost, refilled in {} s",
-            plan.failure_domain, plan.failure_domain_shards, plan.refill_seconds
-        ),
+        match plan.failure_domain_shards {
+            0 => format!(
+                "{:?}: no spare; one lost shard refilled in {} s",
+                plan.failure_domain, plan.refill_seconds
+            ),
+            lost if lost >= plan.shards => format!(
+                "{:?}: all {} shards lost: not survivable (spec.shard.maxShards)",
+                plan.failure_domain, plan.shards
+            ),
+            lost => format!(
+                "{:?}: {lost} of {} shards lost, refilled in {} s",
+                plan.failure_domain, plan.shards, plan.refill_seconds
+            ),
+        },
     );
     row("drainSeconds", plan.drain_seconds.to_string());
     row(
@@ -166,7 +176,7 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
     }
     for (i, alt) in plan.alternative_shapes.iter().enumerate() {
         let much = if plan.shape_source == crate::api::ShapeSource::Spec
-            && crate::plan::capacity::is_much_cheaper(alt, plan)
+            && crate::plan::capacity::is_much_cheaper(alt, plan, connections)
         {
             " (≥ 20 % cheaper)"
         } else {
@@ -176,17 +186,12 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
             .cost_per_million_connections_monthly
             .map(|c| format!(", ${c:.2}/1M"))
             .unwrap_or_default();
-        let monthly = alt
-            .monthly_cost
-            .map(|c| format!(", ${c:.2}/month"))
-            .unwrap_or_default();
         row(
             &format!("alternative shape {}", i + 1),
             format!(
-                "{} CPUs: {} shards, {}/node, {} nodes, {} connections/node{price}{monthly}, {}{much}",
+                "{} CPUs × {} on {} nodes, {}/node{price}, {}{much}",
                 alt.cpus,
                 alt.shards,
-                alt.shards_per_node,
                 alt.nodes,
                 alt.connections_per_node,
                 alt.limiting_factor.as_str()

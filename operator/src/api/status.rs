@@ -236,8 +236,9 @@ pub struct Plan {
     #[serde(default)]
     pub shape_source: ShapeSource,
     /// The next-best shard shapes (up to 3), cheapest first, each with its
-    /// cost and binding limit. When `shapeSource` is `Spec` and the first
-    /// costs at least 20 % less, the `Planned` condition says so.
+    /// cost and binding limit. When `shapeSource` is `Spec` and one holds
+    /// as much for at least 20 % less, the `Degraded=False` condition's
+    /// message says so.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub alternative_shapes: Vec<Shape>,
     /// USD per month for a million connections: node price × 730 h ÷ the most

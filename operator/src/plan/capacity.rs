@@ -439,13 +439,17 @@ fn shape_candidates(node_cpus: i64) -> Vec<i64> {
     c
 }
 
-/// Order of shapes, cheapest first: holding the declared connections,
-/// then fewest nodes (the fleet's monthly cost), then most connections per
-/// node (the price of capacity), then a drain that fits the policy's
-/// grace bound, then fewest shards.
-fn shape_rank(spec: &ConnectionFleetSpec, p: &Plan) -> (bool, i32, Reverse<i64>, bool, i32) {
+/// Order of shapes, cheapest first: a shape `maxShards` does not stop
+/// (it holds the declared connections and survives its failure domain),
+/// and among those that fall short the one holding the most; then fewest
+/// nodes (the fleet's monthly cost), then most connections per node (the
+/// price of capacity), then a drain that fits the policy's grace bound,
+/// then fewest shards.
+fn shape_rank(p: &Plan) -> (bool, Reverse<i64>, i32, Reverse<i64>, bool, i32) {
+    let short = p.limiting_factor == LimitingFactor::MaxShards;
     (
-        p.capacity < spec.connections,
+        short,
+        Reverse(if short { p.capacity } else { 0 }),
         p.nodes,
         Reverse(p.connections_per_node),
         p.drain_cut_by_policy,
@@ -468,14 +472,21 @@ fn shape_of(p: &Plan) -> Shape {
     }
 }
 
-/// True when `alt` costs at most [`CHEAPER_SHAPE_PERCENT`] of `plan`: its
-/// nodes (the monthly cost), or with as many nodes, its price of capacity
-/// (connections per node).
-pub fn is_much_cheaper(alt: &Shape, plan: &Plan) -> bool {
+/// True when `alt` holds at least what `plan` holds of the `declared`
+/// connections (and is not stopped by `maxShards` where `plan` is not) and
+/// costs at most [`CHEAPER_SHAPE_PERCENT`] of it: its nodes (the monthly
+/// cost), or with as many nodes, its price of capacity (connections per
+/// node).
+pub fn is_much_cheaper(alt: &Shape, plan: &Plan, declared: i64) -> bool {
     let pct = CHEAPER_SHAPE_PERCENT as i128;
-    (alt.nodes as i128) * 100 <= plan.nodes as i128 * pct
-        || (alt.nodes <= plan.nodes
-            && (plan.connections_per_node as i128) * 100 <= alt.connections_per_node as i128 * pct)
+    let holds = alt.capacity >= plan.capacity.min(declared)
+        && (alt.limiting_factor != LimitingFactor::MaxShards
+            || plan.limiting_factor == LimitingFactor::MaxShards);
+    holds
+        && ((alt.nodes as i128) * 100 <= plan.nodes as i128 * pct
+            || (alt.nodes <= plan.nodes
+                && (plan.connections_per_node as i128) * 100
+                    <= alt.connections_per_node as i128 * pct))
 }
 
 /// Computes the plan for `spec` on nodes like `node` under the admin's
@@ -512,7 +523,7 @@ pub fn plan_under(
                 .iter()
                 .enumerate()
                 .filter_map(|(i, r)| r.as_ref().ok().map(|p| (i, p)))
-                .min_by_key(|(_, p)| shape_rank(spec, p))
+                .min_by_key(|(_, p)| shape_rank(p))
                 .map(|(i, _)| i);
             let Some(i) = best else {
                 // No shape fits: the smallest one's error says why.
@@ -524,7 +535,7 @@ pub fn plan_under(
         }
     };
     let mut others: Vec<Plan> = shapes.into_iter().filter_map(Result::ok).collect();
-    others.sort_by_key(|p| shape_rank(spec, p));
+    others.sort_by_key(shape_rank);
     let mut plan = chosen;
     plan.alternative_shapes = others
         .iter()
@@ -554,11 +565,19 @@ fn plan_shape(
     // Fill each node's CPUs (and pod slots) with shards; fewer per node only
     // when memory cannot hold that many shards' base.
     let slots = (node.cpus / cpus).min(node.pods);
-    let (per_node_shards, per_shard) = (1..=slots)
-        .rev()
-        .map(|s| (s, inputs.max_per_shard(s)))
-        .find(|&(_, n)| n > 0)
-        .unwrap_or((0, 0));
+    // The most shards per node of which each holds a connection (fewer
+    // shards per node only hold more each: a binary search).
+    let (mut lo, mut hi) = (0i64, slots);
+    while lo < hi {
+        let mid = lo + (hi - lo + 1) / 2;
+        if inputs.max_per_shard(mid) > 0 {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let per_node_shards = lo;
+    let per_shard = if lo > 0 { inputs.max_per_shard(lo) } else { 0 };
     if per_shard == 0 {
         return Err(PlanError::Infeasible(format!(
             "not one connection fits a shard: node memory {} B, per-shard base {} B, {} B per connection; raise spec.node.memory (each shard needs a base (16 MiB for the bundled server, 64 MiB for others), 8 MiB per worker of the bundled server, its fd table, plus its connections)",
@@ -597,6 +616,8 @@ fn plan_shape(
         _ if needed > shards => LimitingFactor::MaxShards,
         Some(LimitingFactor::MaxShards) => LimitingFactor::MaxShards,
         Some(gap) if nodes > bare_nodes => gap,
+        // The Node domain's second node, with no shard added.
+        None if nodes > bare_nodes => LimitingFactor::FailureDomain,
         _ => binding,
     };
     let sysctls_capped = inputs.capped(per_shard + 1, per_node_shards, binding);
@@ -617,7 +638,7 @@ fn plan_shape(
     let shard_connection_limit = inputs.cap(sized_connections_per_shard);
     let shards_per_node = ceil_div(shards, nodes);
     // Node-level sysctls hold the most shards the scheduler may pack on a
-    // node (the spread over nodes is preferred, not required).
+    // node (the spread over nodes is required only under a Node domain).
     let packed = per_node_shards.min(shards);
     let nofile = inputs.nofile(shard_connection_limit);
 
@@ -795,7 +816,7 @@ pub fn check(spec: &ConnectionFleetSpec, plan: &Plan) -> Vec<LimitingFactor> {
         SysctlCeilings::default(),
     );
     // The most shards the scheduler may put on one node (the spread is
-    // preferred, not required).
+    // required only under a Node domain).
     let packed = (plan.connections_per_node / plan.max_connections_per_shard.max(1))
         .clamp(1, plan.shards.max(1) as i64);
     let mut violated = inputs.violations(
@@ -1124,6 +1145,96 @@ mod tests {
     }
 
     #[test]
+    fn edge_plans_found_by_a_fresh_user() {
+        let p256 = serde_json::json!({"memory": "256Gi", "cpus": 64, "pricePerHour": "2.59"});
+        // A node hard limit outside the schema's range is refused naming
+        // the field (it used to panic with no limit binding).
+        let s: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 1000,
+            "backend": {"model": "custom", "userBytesPerConnection": 0, "slowReaderPercent": 0, "queuedPercent": 0},
+            "node": {"memory": "1Pi", "cpus": 1, "kernelBytesPerSocket": 0, "conntrack": false, "nofileHardLimit": 100_000_000_000i64}
+        }))
+        .unwrap();
+        let err = plan(&s, NODE).unwrap_err().to_string();
+        assert!(err.contains("spec.node.nofileHardLimit"), "{err}");
+        // When maxShards stops every shape, the one holding the most wins.
+        let s: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 50_000_000,
+            "node": p256,
+            "shard": {"minShards": 2, "maxShards": 2}
+        }))
+        .unwrap();
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(p.limiting_factor, LimitingFactor::MaxShards);
+        assert!(
+            p.alternative_shapes
+                .iter()
+                .all(|a| a.capacity <= p.capacity),
+            "{p:?}"
+        );
+        // A shape that survives its node beats one that does not at the same cost.
+        let s: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 10_000_000,
+            "node": p256,
+            "shard": {"minShards": 2, "maxShards": 2}
+        }))
+        .unwrap();
+        let p = plan(&s, NODE).unwrap();
+        assert_ne!(p.limiting_factor, LimitingFactor::MaxShards, "{p:?}");
+        assert!(check(&s, &p).is_empty());
+        // The Node domain's second node is named even with no shard added.
+        let s: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 3_000_000,
+            "node": p256,
+            "shard": {"cpus": 8}
+        }))
+        .unwrap();
+        let p = plan(&s, NODE).unwrap();
+        assert_eq!(
+            (p.nodes, p.limiting_factor),
+            (2, LimitingFactor::FailureDomain)
+        );
+        // An alternative that holds less is never "much cheaper".
+        let s: ConnectionFleetSpec = serde_json::from_value(serde_json::json!({
+            "connections": 10_000_000_000i64,
+            "node": p256,
+            "availability": {"failureDomain": "None"},
+            "shard": {"cpus": 64, "maxShards": 492}
+        }))
+        .unwrap();
+        let p = plan(&s, NODE).unwrap();
+        for alt in &p.alternative_shapes {
+            assert!(!is_much_cheaper(alt, &p, s.connections), "{alt:?}");
+        }
+    }
+
+    #[test]
+    fn a_v1_claim_is_not_trusted_in_a_cluster() {
+        // v1 charges a pod less: only the nodes' label makes a plan v1.
+        let s = spec(serde_json::json!({"connections": 1_000_000, "node": {"cgroupMode": "v1"}}));
+        let offline = plan(&s, NODE).unwrap();
+        assert_eq!(offline.cgroup_mode, CgroupMode::V1);
+        let source = NodeSource {
+            memory: crate::api::status::NodeValueSource::Cluster,
+            cpus: crate::api::status::NodeValueSource::Cluster,
+            pods: crate::api::status::NodeValueSource::Cluster,
+            kernel_bytes_per_socket: None,
+            conntrack: None,
+        };
+        let cluster = plan_in_cluster(&s, (NODE, source), &Policy::default()).unwrap();
+        assert_eq!(cluster.cgroup_mode, CgroupMode::V2);
+        let labelled = NodeFacts {
+            runtime: NodeRuntime {
+                cgroup_mode: Some(CgroupMode::V1),
+                ..NodeRuntime::UNKNOWN
+            },
+            ..NODE
+        };
+        let cluster = plan_in_cluster(&s, (labelled, source), &Policy::default()).unwrap();
+        assert_eq!(cluster.cgroup_mode, CgroupMode::V1);
+    }
+
+    #[test]
     fn the_planner_picks_the_cheapest_shape() {
         // Issue 8 "done when": 10M goroutine connections on 64-CPU /
         // 256 GiB / $2.59 nodes with the shape left free cost at most
@@ -1165,8 +1276,8 @@ mod tests {
         assert!(f.nofile <= DEFAULT_NOFILE_HARD_LIMIT);
         let best = &f.alternative_shapes[0];
         assert_eq!(best.cpus, p.cpus);
-        assert!(is_much_cheaper(best, &f));
-        assert!(!is_much_cheaper(&p.alternative_shapes[0], &p));
+        assert!(is_much_cheaper(best, &f, 10_000_000));
+        assert!(!is_much_cheaper(&p.alternative_shapes[0], &p, 10_000_000));
     }
 
     #[test]
@@ -1733,9 +1844,13 @@ mod tests {
             prop_assert!(check(&free, &p).is_empty(), "violations {:?}", check(&free, &p));
             for alt in &p.alternative_shapes {
                 prop_assert!(alt.cpus != p.cpus);
+                let key = |short: bool, capacity: i64, nodes: i32, per_node: i64| {
+                    (short, Reverse(if short { capacity } else { 0 }), nodes, Reverse(per_node))
+                };
+                let short = |f: LimitingFactor| f == LimitingFactor::MaxShards;
                 prop_assert!(
-                    (alt.capacity < free.connections, alt.nodes, Reverse(alt.connections_per_node))
-                        >= (p.capacity < free.connections, p.nodes, Reverse(p.connections_per_node)),
+                    key(short(alt.limiting_factor), alt.capacity, alt.nodes, alt.connections_per_node)
+                        >= key(short(p.limiting_factor), p.capacity, p.nodes, p.connections_per_node),
                     "{:?} ranks before the chosen shape", alt
                 );
             }

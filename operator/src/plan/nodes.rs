@@ -387,7 +387,8 @@ pub fn resolve_sourced(
 ///   [`KERNEL_BYTES_PER_SOCKET`]; a lower claim is replaced by it;
 /// - `conntrack: false` only where `conntrack_off` (the admin's policy says
 ///   the cluster's nodes track no connections); otherwise the plan counts
-///   conntrack. `conntrack: true` is always used.
+///   conntrack. `conntrack: true` is always used;
+/// - `cgroupMode: v1` never: only the nodes' label makes a plan v1.
 ///
 /// Offline the spec is the planner's own and its claims are taken as given
 /// (this function is not called).
@@ -419,6 +420,11 @@ pub fn trusted_kernel_claims(
             ClaimSource::SpecNotTrusted
         }
     });
+    // A v1 claim charges a pod less than v2 nodes do: in a cluster only the
+    // nodes' own `c10m.dev/cgroup-mode` label makes a plan v1.
+    if node.cgroup_mode == Some(CgroupMode::V1) {
+        node.cgroup_mode = None;
+    }
     (trusted, kernel, conntrack)
 }
 

@@ -110,6 +110,18 @@ pub fn validate(spec: &ConnectionFleetSpec) -> Result<Validated, PlanError> {
             return bad(format!("spec.server.{field} must be 1..=65535, got {port}"));
         }
     }
+    if let Some(n) = spec.node.as_ref().and_then(|n| n.nofile_hard_limit)
+        && !(1024..=1_073_741_816).contains(&n)
+    {
+        return bad(format!(
+            "spec.node.nofileHardLimit must be 1024..=1073741816, got {n}"
+        ));
+    }
+    if let Some(p) = spec.node.as_ref().and_then(|n| n.pods)
+        && !(1..=100_000).contains(&p)
+    {
+        return bad(format!("spec.node.pods must be 1..=100000, got {p}"));
+    }
     if let Some(k) = spec.node.as_ref().and_then(|n| n.kernel_bytes_per_socket)
         && k < 0
     {
