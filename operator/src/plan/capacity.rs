@@ -1211,17 +1211,17 @@ mod tests {
     #[test]
     fn a_v1_claim_is_not_trusted_in_a_cluster() {
         // v1 charges a pod less: only the nodes' label makes a plan v1.
-        let s = spec(serde_json::json!({"connections": 1_000_000, "node": {"cgroupMode": "v1"}}));
-        let offline = plan(&s, NODE).unwrap();
+        let s = spec(
+            serde_json::json!({"connections": 1_000_000, "node": {"cgroupMode": "v1", "memory": "256Gi", "cpus": 64}}),
+        );
+        let resolve = crate::plan::nodes::resolve_sourced;
+        // Offline the claim is the planner's own.
+        let offline = plan_sourced(&s, resolve(&s, None).unwrap(), &Policy::default()).unwrap();
         assert_eq!(offline.cgroup_mode, CgroupMode::V1);
-        let source = NodeSource {
-            memory: crate::api::status::NodeValueSource::Cluster,
-            cpus: crate::api::status::NodeValueSource::Cluster,
-            pods: crate::api::status::NodeValueSource::Cluster,
-            kernel_bytes_per_socket: None,
-            conntrack: None,
-        };
-        let cluster = plan_in_cluster(&s, (NODE, source), &Policy::default()).unwrap();
+        // In a cluster, through the operator's path: the profile resolved
+        // from unlabelled nodes and the spec, then planned as a cluster's.
+        let cluster =
+            plan_in_cluster(&s, resolve(&s, Some(NODE)).unwrap(), &Policy::default()).unwrap();
         assert_eq!(cluster.cgroup_mode, CgroupMode::V2);
         let labelled = NodeFacts {
             runtime: NodeRuntime {
@@ -1230,7 +1230,8 @@ mod tests {
             },
             ..NODE
         };
-        let cluster = plan_in_cluster(&s, (labelled, source), &Policy::default()).unwrap();
+        let cluster =
+            plan_in_cluster(&s, resolve(&s, Some(labelled)).unwrap(), &Policy::default()).unwrap();
         assert_eq!(cluster.cgroup_mode, CgroupMode::V1);
     }
 

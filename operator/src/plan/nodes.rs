@@ -163,7 +163,10 @@ impl NodeRuntime {
             sys_resource: profile.sys_resource.unwrap_or(true),
             host_network_namespace: profile.host_network_namespace.unwrap_or(true),
             unsafe_sysctls: None,
-            cgroup_mode: profile.cgroup_mode,
+            // The nodes' alone: `spec.node.cgroupMode` is weighed once, by
+            // `capacity::cgroup_mode`, to which a cluster's plan passes only
+            // a claim it can trust.
+            cgroup_mode: None,
         }
     }
 }
@@ -258,15 +261,14 @@ pub fn placeable(nodes: &[Node], tolerations: &[Toleration]) -> Vec<Node> {
 /// [`NodeRuntime`] facts that hold on all of them. `None` when the list is
 /// empty or no node reports allocatable.
 pub fn observed(nodes: &[Node]) -> Option<NodeFacts> {
-    let mut runtime = nodes
+    let runtimes: Vec<NodeRuntime> = nodes.iter().map(NodeRuntime::of).collect();
+    let mut runtime = runtimes
         .iter()
-        .map(NodeRuntime::of)
+        .copied()
         .fold(NodeRuntime::UNKNOWN, NodeRuntime::and);
     // v1 charges a pod less: only where every node says v1.
     if runtime.cgroup_mode == Some(CgroupMode::V1)
-        && nodes
-            .iter()
-            .any(|n| NodeRuntime::of(n).cgroup_mode.is_none())
+        && runtimes.iter().any(|r| r.cgroup_mode.is_none())
     {
         runtime.cgroup_mode = None;
     }
