@@ -157,11 +157,24 @@ impl Inputs {
         ceil_div(l * self.slow_percent, 100)
     }
 
+    /// Sockets of a shard with cap `l` holding a queued page at peak.
+    fn queued_sockets(&self, l: i64) -> i64 {
+        ceil_div(l * self.queued_percent, 100)
+    }
+
     /// Pages a shard with cap `l` charges to `tcp_mem` at peak: one per
     /// queued socket, and each slow reader's buffers.
     fn tcp_mem_pages(&self, l: i64) -> i64 {
-        ceil_div(l * self.queued_percent, 100)
-            + self.slow_readers(l) * ceil_div(self.slow_kernel, PAGE_BYTES)
+        self.queued_sockets(l) + self.slow_readers(l) * ceil_div(self.slow_kernel, PAGE_BYTES)
+    }
+
+    /// Kernel buffer bytes of a shard with cap `l` at peak: the queued
+    /// pages and the slow readers' bounded buffers. Charged to the pod
+    /// under cgroup v2, to the node outside it under v1 (`i128` like
+    /// [`Self::pod_bytes`]).
+    fn buffer_bytes(&self, l: i64) -> i128 {
+        self.queued_sockets(l) as i128 * PAGE_BYTES as i128
+            + self.slow_readers(l) as i128 * self.slow_kernel as i128
     }
 
     /// Bytes of a shard's memory beyond its connections: the process base,
@@ -192,11 +205,14 @@ impl Inputs {
     /// cap × bytes passes `i64` for a 1 GiB custom backend near the
     /// connection bound).
     fn pod_bytes(&self, l: i64) -> i128 {
-        let buffers = |b: i64| if self.buffers_in_pod { b as i128 } else { 0 };
         self.process_bytes(l) as i128
             + l as i128 * (self.user + self.pod_kernel_idle) as i128
-            + buffers(ceil_div(l * self.queued_percent, 100) * PAGE_BYTES)
-            + self.slow_readers(l) as i128 * (self.slow_user as i128 + buffers(self.slow_kernel))
+            + self.slow_readers(l) as i128 * self.slow_user as i128
+            + if self.buffers_in_pod {
+                self.buffer_bytes(l)
+            } else {
+                0
+            }
     }
 
     /// Memory limit of a shard container with cap `l`, rounded up to MiB
@@ -210,16 +226,14 @@ impl Inputs {
     /// kernel bytes charged outside its cgroup (saturated like
     /// [`Self::memory_limit`]).
     fn node_bytes_per_shard(&self, l: i64) -> i64 {
-        let outside_buffers = if self.buffers_in_pod {
-            0
-        } else {
-            ceil_div(l * self.queued_percent, 100) as i128 * PAGE_BYTES as i128
-                + self.slow_readers(l) as i128 * self.slow_kernel as i128
-        };
         saturate(
             self.memory_limit(l) as i128
                 + l as i128 * (self.kernel_idle - self.pod_kernel_idle) as i128
-                + outside_buffers,
+                + if self.buffers_in_pod {
+                    0
+                } else {
+                    self.buffer_bytes(l)
+                },
         )
     }
 
