@@ -493,6 +493,20 @@ pub struct RebalanceStatus {
     pub last_order_time: Option<Time>,
 }
 
+/// A plan as the first release wrote it: only the fields every version
+/// writes, each 1 (tests of reading plans from other versions start here).
+#[cfg(test)]
+pub(crate) fn first_release_plan_json() -> serde_json::Value {
+    serde_json::json!({
+            "bytesPerConnection": {"kernel": 1, "total": 2, "user": 1},
+            "capacity": 1, "connectionsPerNode": 1, "connectionsPerShard": 1, "cpus": 1,
+            "limitingFactor": "memory", "listenBacklog": 1, "maxConnectionsPerShard": 1,
+            "memoryLimitBytes": 1, "nodeCpus": 1, "nodeMemoryBytes": 1, "nodes": 1,
+            "nofile": 1, "shardConnectionLimit": 1, "shards": 1, "shardsPerNode": 1,
+            "sizedConnectionsPerShard": 1, "workers": 1
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -543,20 +557,14 @@ mod tests {
     /// plan compares equal and nothing is rewritten in a loop.
     #[test]
     fn unknown_sysctls_are_skipped_not_the_plan() {
-        let plan = serde_json::json!({
-            "bytesPerConnection": {"kernel": 1, "total": 2, "user": 1},
-            "capacity": 1, "connectionsPerNode": 1, "connectionsPerShard": 1, "cpus": 1,
-            "limitingFactor": "memory", "listenBacklog": 1, "maxConnectionsPerShard": 1,
-            "memoryLimitBytes": 1, "nodeCpus": 1, "nodeMemoryBytes": 1, "nodes": 1,
-            "nofile": 1, "shardConnectionLimit": 1, "shards": 1, "shardsPerNode": 1,
-            "sizedConnectionsPerShard": 1, "workers": 1,
-            "sysctls": {
-                "net.core.somaxconn": "65535",
-                "net.ipv4.tcp_fastopen": "3",
-                "fs.nr_open": "lots"
-            },
-            "sysctlsNotApplied": ["net.ipv4.tcp_migrate_req", "kernel.future"]
+        let mut plan = first_release_plan_json();
+        plan["sysctls"] = serde_json::json!({
+            "net.core.somaxconn": "65535",
+            "net.ipv4.tcp_fastopen": "3",
+            "fs.nr_open": "lots"
         });
+        plan["sysctlsNotApplied"] =
+            serde_json::json!(["net.ipv4.tcp_migrate_req", "kernel.future"]);
         let read: Plan = serde_json::from_value(plan).unwrap();
         assert_eq!(
             read.sysctls,
@@ -570,14 +578,9 @@ mod tests {
     /// operator cannot read drops only itself; what it writes reads back.
     #[test]
     fn node_source_is_optional_and_read_leniently() {
-        let mut plan = serde_json::json!({
-            "bytesPerConnection": {"kernel": 1, "total": 2, "user": 1},
-            "capacity": 1, "connectionsPerNode": 1, "connectionsPerShard": 1, "cpus": 1,
-            "limitingFactor": "memory", "listenBacklog": 1, "maxConnectionsPerShard": 1,
-            "memoryLimitBytes": 1, "nodeCpus": 4, "nodeMemoryBytes": 8589934592i64, "nodes": 1,
-            "nofile": 1, "shardConnectionLimit": 1, "shards": 1, "shardsPerNode": 1,
-            "sizedConnectionsPerShard": 1, "workers": 1
-        });
+        let mut plan = first_release_plan_json();
+        plan["nodeCpus"] = 4.into();
+        plan["nodeMemoryBytes"] = 8_589_934_592i64.into();
         let old: Plan = serde_json::from_value(plan.clone()).unwrap();
         assert_eq!((old.node_pods, old.node_source), (0, None));
         plan["nodePods"] = 110.into();

@@ -216,15 +216,8 @@ mod tests {
     use crate::api::sysctl::Sysctl;
 
     fn plan() -> Plan {
-        let mut p: Plan = serde_json::from_value(serde_json::json!({
-            "bytesPerConnection": {"kernel": 1, "total": 2, "user": 1},
-            "capacity": 1, "connectionsPerNode": 1, "connectionsPerShard": 1, "cpus": 1,
-            "limitingFactor": "memory", "listenBacklog": 1, "maxConnectionsPerShard": 1,
-            "memoryLimitBytes": 1, "nodeCpus": 1, "nodeMemoryBytes": 1, "nodes": 1,
-            "nofile": 1, "shardConnectionLimit": 1, "shards": 1, "shardsPerNode": 1,
-            "sizedConnectionsPerShard": 1, "workers": 1,
-        }))
-        .unwrap();
+        let mut p: Plan =
+            serde_json::from_value(crate::api::status::first_release_plan_json()).unwrap();
         p.nofile = 20_000;
         p.sysctls = [
             (Sysctl::Somaxconn, SysctlValue::One(65_535)),
