@@ -134,6 +134,32 @@ pub fn apply(ns: &str, manifest: &str) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// A bundled-server fleet of 2-CPU shards on the KWOK `edge` pool at
+/// $2.59/h per node, at least `min_shards` of them; `extra` is appended to
+/// `spec` (two-space indented YAML).
+pub fn edge_fleet_manifest(name: &str, connections: i64, min_shards: u32, extra: &str) -> String {
+    format!(
+        r#"
+apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: {name}
+spec:
+  connections: {connections}
+  backend:
+    model: epoll
+  node:
+    pricePerHour: "2.59"
+  shard:
+    cpus: 2
+    minShards: {min_shards}
+  placement:
+    nodeSelector:
+      c10m.dev/pool: edge
+{extra}"#
+    )
+}
+
 /// `kubectl get -o json` of one object, `None` when it does not exist.
 pub fn get_json(ns: &str, kind: &str, name: &str) -> Option<Value> {
     let out = kubectl_with(&["get", "-n", ns, kind, name, "-o", "json"], None);

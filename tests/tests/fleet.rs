@@ -24,26 +24,7 @@ const NO_FAILURE_DOMAIN: &str = "  availability:\n    failureDomain: None\n";
 const MORE_CONNECTIONS: i64 = 3_000_000;
 
 fn fleet_manifest(name: &str, connections: i64, extra: &str) -> String {
-    format!(
-        r#"
-apiVersion: c10m.dev/v1alpha1
-kind: ConnectionFleet
-metadata:
-  name: {name}
-spec:
-  connections: {connections}
-  backend:
-    model: epoll
-  node:
-    pricePerHour: "2.59"
-  shard:
-    cpus: 2
-    minShards: 3
-  placement:
-    nodeSelector:
-      c10m.dev/pool: edge
-{extra}"#
-    )
+    edge_fleet_manifest(name, connections, 3, extra)
 }
 
 fn env_of(container: &Value, name: &str) -> Option<String> {

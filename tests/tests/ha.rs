@@ -27,24 +27,7 @@ const LEASE_DURATION: Duration = Duration::from_secs(15);
 const SLACK: Duration = Duration::from_secs(3);
 
 fn fleet_manifest(name: &str, connections: i64) -> String {
-    format!(
-        r#"
-apiVersion: c10m.dev/v1alpha1
-kind: ConnectionFleet
-metadata:
-  name: {name}
-spec:
-  connections: {connections}
-  node:
-    pricePerHour: "2.59"
-  shard:
-    cpus: 2
-    minShards: 2
-  placement:
-    nodeSelector:
-      c10m.dev/pool: edge
-"#
-    )
+    edge_fleet_manifest(name, connections, 2, "")
 }
 
 /// An operator for `ns` electing its leader on Lease `LEASE` in `ns`.
