@@ -436,9 +436,6 @@ pub fn next_status(
 /// as much at most [`crate::plan::capacity::CHEAPER_SHAPE_PERCENT`] % of
 /// its cost, a sentence naming it and what it saves (`None` otherwise).
 fn cheaper_shape_hint(plan: &crate::api::Plan, declared: i64) -> Option<String> {
-    if plan.shape_source != crate::api::ShapeSource::Spec {
-        return None;
-    }
     let alt = plan
         .alternative_shapes
         .iter()

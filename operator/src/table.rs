@@ -175,9 +175,7 @@ pub fn plan_table(name: &str, connections: i64, plan: &Plan) -> String {
         row("monthlyCost", format!("${c:.2}"));
     }
     for (i, alt) in plan.alternative_shapes.iter().enumerate() {
-        let much = if plan.shape_source == crate::api::ShapeSource::Spec
-            && crate::plan::capacity::is_much_cheaper(alt, plan, connections)
-        {
+        let much = if crate::plan::capacity::is_much_cheaper(alt, plan, connections) {
             " (≥ 20 % cheaper)"
         } else {
             ""

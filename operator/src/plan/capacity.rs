@@ -486,17 +486,19 @@ fn shape_of(p: &Plan) -> Shape {
     }
 }
 
-/// True when `alt` holds at least what `plan` holds of the `declared`
+/// True when `plan`'s shape was fixed by the spec and `alt` is worth
+/// naming instead: it holds at least what `plan` holds of the `declared`
 /// connections (and is not stopped by `maxShards` where `plan` is not) and
 /// costs at most [`CHEAPER_SHAPE_PERCENT`] of it: its nodes (the monthly
 /// cost), or with as many nodes, its price of capacity (connections per
-/// node).
+/// node). A shape the planner chose has nothing cheaper to name.
 pub fn is_much_cheaper(alt: &Shape, plan: &Plan, declared: i64) -> bool {
     let pct = CHEAPER_SHAPE_PERCENT as i128;
-    let holds = alt.capacity >= plan.capacity.min(declared)
+    let comparable = plan.shape_source == ShapeSource::Spec
+        && alt.capacity >= plan.capacity.min(declared)
         && (alt.limiting_factor != LimitingFactor::MaxShards
             || plan.limiting_factor == LimitingFactor::MaxShards);
-    holds
+    comparable
         && ((alt.nodes as i128) * 100 <= plan.nodes as i128 * pct
             || (alt.nodes <= plan.nodes
                 && (plan.connections_per_node as i128) * 100
