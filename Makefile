@@ -40,7 +40,10 @@ images: deps
 cluster-up: deps
 	bash tests/cluster/up.sh
 
-demo: deps build
+# The local plane's real node runs fleets only from images imported from
+# $(C10M_CACHE)/images (its containerd pulls nothing), so the local demo
+# builds them first; CLUSTER=current uses your cluster's registry instead.
+demo: deps build $(if $(filter local,$(CLUSTER)),images)
 	@bash tests/demo.sh "$(CLUSTER)"
 
 down:

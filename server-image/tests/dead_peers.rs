@@ -7,55 +7,34 @@
 //! benchmarking range) that exist only inside those namespaces; nothing is
 //! routed anywhere else. A peer vanishes when its link is deleted, or when
 //! its end of the link goes down (the other end then drops every packet
-//! silently). Needs root and iproute2; without them the tests fail (they
+//! silently). The namespaces are held by processes (`common::Netns`), so
+//! nothing is left under /run/netns. Needs root, iproute2 and util-linux; without them the tests fail (they
 //! do not pass silently).
 
 mod common;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::os::fd::AsFd;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{BIN, sample, sum};
-
-/// Runs `ip ARGS`, panicking with its output if it fails.
-fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run `ip` (iproute2 is needed): {e}"));
-    assert!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{BIN, Netns, enter_netns, sample, sum};
 
 /// Two network namespaces, `server` and `clients`, joined by veth pairs;
-/// deleted (with every link in them) on drop.
+/// both go (with every link in them) on drop.
 struct Net {
-    server: String,
-    clients: String,
+    server: Netns,
+    clients: Netns,
     links: u8,
 }
 
 impl Net {
-    fn new(tag: &str) -> Net {
-        let id = std::process::id();
-        let net = Net {
-            server: format!("c10m-{tag}-s-{id}"),
-            clients: format!("c10m-{tag}-c-{id}"),
+    fn new() -> Net {
+        Net {
+            server: Netns::new(),
+            clients: Netns::new(),
             links: 0,
-        };
-        for ns in [&net.server, &net.clients] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-            ip(&["netns", "add", ns]);
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
         }
-        net
     }
 
     /// Adds veth pair `i` (its server end `s<i>`, client end `c<i>`) with
@@ -65,9 +44,8 @@ impl Net {
         let i = self.links;
         self.links += 1;
         let (s, c) = (format!("s{i}"), format!("c{i}"));
-        ip(&[
-            "-n",
-            &self.server,
+        let clients_pid = self.clients.pid().to_string();
+        self.server.ip(&[
             "link",
             "add",
             "name",
@@ -78,70 +56,29 @@ impl Net {
             "name",
             &c,
             "netns",
-            &self.clients,
+            &clients_pid,
         ]);
         let server_ip = Ipv4Addr::new(198, 18, 0, 4 * i + 1);
         let client_ip = Ipv4Addr::new(198, 18, 0, 4 * i + 2);
-        ip(&[
-            "-n",
-            &self.server,
-            "addr",
-            "add",
-            &format!("{server_ip}/30"),
-            "dev",
-            &s,
-        ]);
-        ip(&[
-            "-n",
-            &self.clients,
-            "addr",
-            "add",
-            &format!("{client_ip}/30"),
-            "dev",
-            &c,
-        ]);
-        ip(&["-n", &self.server, "link", "set", &s, "up"]);
-        ip(&["-n", &self.clients, "link", "set", &c, "up"]);
+        self.server
+            .ip(&["addr", "add", &format!("{server_ip}/30"), "dev", &s]);
+        self.clients
+            .ip(&["addr", "add", &format!("{client_ip}/30"), "dev", &c]);
+        self.server.ip(&["link", "set", &s, "up"]);
+        self.clients.ip(&["link", "set", &c, "up"]);
         server_ip
     }
 
     /// Link `i` disappears: both ends are deleted.
     fn remove(&self, i: u8) {
-        ip(&["-n", &self.server, "link", "del", &format!("s{i}")]);
+        self.server.ip(&["link", "del", &format!("s{i}")]);
     }
 
     /// Link `i` goes silent: the clients' end goes down, so the server's end
     /// drops everything it sends without telling anyone.
     fn silence(&self, i: u8) {
-        ip(&["-n", &self.clients, "link", "set", &format!("c{i}"), "down"]);
+        self.clients.ip(&["link", "set", &format!("c{i}"), "down"]);
     }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for ns in [&self.server, &self.clients] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
-    }
-}
-
-/// Runs `f` on a thread inside network namespace `ns`; sockets it opens
-/// stay in that namespace after it returns.
-fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    let path = format!("/var/run/netns/{ns}");
-    std::thread::scope(|s| {
-        s.spawn(move || {
-            let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-            rustix::thread::move_into_link_name_space(
-                file.as_fd(),
-                Some(rustix::thread::LinkNameSpaceType::Network),
-            )
-            .expect("setns into the test's network namespace");
-            f()
-        })
-        .join()
-        .unwrap()
-    })
 }
 
 /// A `c10m-server` inside the server namespace, bound to all of its
@@ -154,8 +91,9 @@ struct NsServer {
 
 impl NsServer {
     fn start(net: &Net, port: u16, admin: u16, args: &[&str]) -> NsServer {
-        let child = Command::new("ip")
-            .args(["netns", "exec", &net.server, BIN])
+        let child = net
+            .server
+            .command(BIN)
             .args(["--bind", "0.0.0.0", "--workers", "2"])
             .args([
                 "--port",
@@ -169,10 +107,10 @@ impl NsServer {
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("ip netns exec c10m-server");
+            .expect("nsenter c10m-server");
         let s = NsServer {
             child,
-            ns: net.server.clone(),
+            ns: net.server.path().to_string(),
             admin,
         };
         let deadline = Instant::now() + common::START_TIMEOUT;
@@ -189,7 +127,7 @@ impl NsServer {
 
     fn try_metrics(&self) -> Option<String> {
         let admin = self.admin;
-        in_netns(&self.ns, move || {
+        enter_netns(&self.ns, move || {
             let mut s = TcpStream::connect(("127.0.0.1", admin)).ok()?;
             s.set_read_timeout(Some(common::IO_TIMEOUT)).ok()?;
             s.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
@@ -219,7 +157,7 @@ impl Drop for NsServer {
 /// Opens `n` connections from the clients' namespace to `to`, each
 /// checked with one echo (or upgraded, for WebSocket).
 fn clients(net: &Net, to: SocketAddrV4, n: usize, websocket: bool) -> Vec<TcpStream> {
-    in_netns(&net.clients, || {
+    net.clients.enter(|| {
         (0..n)
             .map(|_| {
                 let addr = SocketAddr::V4(to);
@@ -256,7 +194,7 @@ fn vanished_peers_stop_counting_within_the_keepalive_time() {
     // silent); 20 on a third link stay. Keepalive 2 s idle, then 2 probes
     // 1 s apart: dead peers go within 2 + 1 × 2 = 4 s. A second server with
     // keepalive off, as before the fix, holds all of them.
-    let mut net = Net::new("ka");
+    let mut net = Net::new();
     let (removed, kept, silenced) = (net.link(), net.link(), net.link());
     let on = NsServer::start(
         &net,
@@ -308,7 +246,7 @@ fn vanished_peers_stop_counting_within_the_keepalive_time() {
     // Keepalive off: the same 200 still count.
     assert_eq!(off.live(), 220.0);
     // Idle survivors were probed too, and answered: still served.
-    in_netns(&net.clients, || {
+    net.clients.enter(|| {
         for s in &mut survivors {
             common::echo_once(s, b"still here");
         }
@@ -348,7 +286,7 @@ fn a_vanished_peer_with_unacknowledged_data_goes_at_the_user_timeout() {
     // Keepalive sends no probes while sent data is unacknowledged: here a
     // server ping to a peer that vanished. TCP_USER_TIMEOUT (3 s) drops it
     // long before keepalive (30 s idle) or the pong deadline (60 s) would.
-    let mut net = Net::new("ut");
+    let mut net = Net::new();
     let (vanish, kept) = (net.link(), net.link());
     let server = NsServer::start(
         &net,

@@ -1,43 +1,34 @@
 //! `c10m-sysctl` against a real kernel: namespaced sysctls in a network
-//! namespace this test creates (iproute2, root), node-level raises against a
+//! namespace this test creates (`common::Netns`: util-linux, root; no
+//! mount under /run/netns is left behind), node-level raises against a
 //! scratch sysctl tree so the machine's own settings are never touched.
+
+mod common;
 
 use std::path::Path;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_c10m-sysctl");
 
-fn ip(args: &[&str]) -> std::process::Output {
-    Command::new("ip")
-        .args(args)
-        .output()
-        .expect("iproute2's `ip` is installed (tests/cluster/install-deps.sh)")
-}
-
 #[test]
 fn namespaced_sysctls_land_in_the_pod_netns_only() {
-    let ns = format!("c10m-sysctl-{}", std::process::id());
-    let out = ip(&["netns", "add", &ns]);
-    assert!(
-        out.status.success(),
-        "ip netns add: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let ns = common::Netns::new();
     let host_before = std::fs::read_to_string("/proc/sys/net/core/somaxconn").unwrap();
-    let run = ip(&[
-        "netns",
-        "exec",
-        &ns,
-        BIN,
-        "--set=net.core.somaxconn=65535",
-        "--set=net.ipv4.tcp_migrate_req=1",
-    ]);
-    let read = |f: &str| String::from_utf8(ip(&["netns", "exec", &ns, "cat", f]).stdout).unwrap();
+    let run = ns
+        .command(BIN)
+        .args([
+            "--set=net.core.somaxconn=65535",
+            "--set=net.ipv4.tcp_migrate_req=1",
+        ])
+        .output()
+        .unwrap();
+    let read =
+        |f: &str| String::from_utf8(ns.command("cat").arg(f).output().unwrap().stdout).unwrap();
     let (somaxconn, migrate) = (
         read("/proc/sys/net/core/somaxconn"),
         read("/proc/sys/net/ipv4/tcp_migrate_req"),
     );
-    ip(&["netns", "del", &ns]);
+    drop(ns);
     assert!(
         run.status.success(),
         "{}",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian machine lacks for the local control plane, its
 # real node and the tests: Debian packages via apt-get (apt-get update only
-# when something is missing). Go and kubectl are expected to be
+# when something is missing), and the Rust targets and components
+# rust-toolchain.toml lists (rustup). Go and kubectl are expected to be
 # preinstalled; this checks them and fails with a clear message if they are
 # missing. Quiet when all is present.
 set -euo pipefail
@@ -71,6 +72,41 @@ if ((${#missing[@]})); then
     }
   done
   echo "install-deps: installed ${missing[*]}"
+fi
+
+# Rust: the toolchain rust-toolchain.toml names, with its targets and
+# components. rustup installs them when it installs the toolchain, but it
+# does not add them to a toolchain already installed without them (a
+# machine with 1.95.0 but no x86_64-unknown-linux-musl then fails
+# `make images` with E0463 "can't find crate for core"). Both adds are
+# idempotent and quiet when everything is present.
+if command -v rustup >/dev/null; then
+  toolchain_file=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/rust-toolchain.toml
+  read -r channel targets components < <(python3 - "$toolchain_file" <<'PY'
+import sys, tomllib
+t = tomllib.load(open(sys.argv[1], "rb"))["toolchain"]
+print(t["channel"], ",".join(t.get("targets", [])) or "-", ",".join(t.get("components", [])) or "-")
+PY
+)
+  installed_targets=$(rustup target list --installed --toolchain "$channel" 2>/dev/null || true)
+  installed_components=$(rustup component list --installed --toolchain "$channel" 2>/dev/null || true)
+  if [[ $targets != - ]]; then
+    for t in ${targets//,/ }; do
+      grep -qxF "$t" <<<"$installed_targets" && continue
+      echo "install-deps: rustup target add --toolchain $channel $t"
+      rustup target add --toolchain "$channel" "$t"
+    done
+  fi
+  if [[ $components != - ]]; then
+    for c in ${components//,/ }; do
+      grep -q "^$c-" <<<"$installed_components" && continue
+      echo "install-deps: rustup component add --toolchain $channel $c"
+      rustup component add --toolchain "$channel" "$c"
+    done
+  fi
+else
+  echo "error: rustup not found; install Rust with rustup (https://rustup.rs): the toolchain, targets and components come from rust-toolchain.toml" >&2
+  exit 1
 fi
 
 # Python's `websockets` (>= 13, PyPI): the independent WebSocket client that

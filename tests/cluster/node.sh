@@ -425,8 +425,17 @@ up() {
   ensure_node_cert
   step_done "bridge $C10M_NODE_BRIDGE ($NODE_IP/${C10M_NODE_POD_CIDR#*/}), configs, node certificate"
 
-  record="$(command -v containerd) --config $ETC/containerd.toml # $(sha256sum <"$ETC/containerd.toml" | cut -c1-16)"
-  launch containerd "$record" "$(command -v containerd)" --config "$ETC/containerd.toml"
+  # Pulls never leave the machine: containerd's CRI registry client goes
+  # through http.ProxyFromEnvironment, so with every proxy set to a dead
+  # loopback port (discard, 9/tcp: nothing listens) a pull of an image the
+  # node lacks fails at once with "proxyconnect tcp: dial tcp 127.0.0.1:9:
+  # connect: connection refused", before any DNS lookup of the registry
+  # host (the proxy would resolve it). Images reach the node only through
+  # import_archive below (`make images`).
+  local proxy=http://127.0.0.1:9
+  record="$(command -v containerd) --config $ETC/containerd.toml proxy=$proxy # $(sha256sum <"$ETC/containerd.toml" | cut -c1-16)"
+  launch containerd "$record" env HTTP_PROXY="$proxy" HTTPS_PROXY="$proxy" NO_PROXY= \
+    http_proxy="$proxy" https_proxy="$proxy" no_proxy= "$(command -v containerd)" --config "$ETC/containerd.toml"
   wait_healthy containerd 30
   pid=$(running_pid containerd)
   step_done "containerd $(containerd --version | awk '{ print $3 }') ready (socket $SOCK)"

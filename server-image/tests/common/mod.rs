@@ -511,3 +511,105 @@ pub fn watch_endings(
     }
     out
 }
+
+/// A network namespace held by a child process (`unshare --net sleep
+/// infinity`, util-linux), never by a bind mount under `/run/netns`: it is
+/// gone once the holder is killed on drop and no thread or process is left
+/// in it. `ip netns add` would mount `/run/netns` on a host that had none,
+/// and nothing unmounts it, so `make test`'s host check would see the host
+/// changed (issue 21). Needs root (unshare, nsenter, setns).
+pub struct Netns {
+    holder: Child,
+    path: String,
+}
+
+impl Netns {
+    /// Starts the holder and waits (up to [`START_TIMEOUT`]) until it runs
+    /// in a namespace other than the caller's; its loopback is brought up.
+    ///
+    /// Panics if `unshare` cannot run or the namespace never appears.
+    pub fn new() -> Netns {
+        let holder = Command::new("unshare")
+            .args(["--net", "--", "sleep", "infinity"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run `unshare` (util-linux; root): {e}"));
+        let path = format!("/proc/{}/ns/net", holder.id());
+        let ns = Netns { holder, path };
+        let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
+        let deadline = Instant::now() + START_TIMEOUT;
+        while std::fs::read_link(&ns.path).ok().is_none_or(|l| l == ours) {
+            assert!(Instant::now() < deadline, "unshare --net did not start");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// The holder's pid: what `ip link … netns PID` takes.
+    pub fn pid(&self) -> u32 {
+        self.holder.id()
+    }
+
+    /// `/proc/PID/ns/net` of the holder.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// `program` run inside the namespace (`nsenter --net=PATH -- program`).
+    pub fn command(&self, program: &str) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net={}", self.path)).arg("--").arg(program);
+        c
+    }
+
+    /// Runs `ip ARGS` inside the namespace, panicking with its output if it
+    /// fails (iproute2 needed).
+    pub fn ip(&self, args: &[&str]) {
+        let out = self
+            .command("ip")
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run `nsenter … ip`: {e}"));
+        assert!(
+            out.status.success(),
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Runs `f` on a thread inside the namespace; sockets it opens stay in
+    /// the namespace after it returns.
+    pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        enter_netns(&self.path, f)
+    }
+}
+
+/// Runs `f` on a thread that has joined the network namespace at `path`
+/// (`/proc/PID/ns/net`).
+pub fn enter_netns<T: Send>(path: &str, f: impl FnOnce() -> T + Send) -> T {
+    use std::os::fd::AsFd;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            rustix::thread::move_into_link_name_space(
+                file.as_fd(),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .expect("setns into the test's network namespace");
+            f()
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
