@@ -149,6 +149,11 @@ pub struct ConnectionFleetSpec {
     #[serde(default)]
     pub drain: DrainSpec,
 
+    /// How a new pod template replaces the shards: the fleet-wide close
+    /// budget of a rollout.
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+
     /// What the fleet survives: the failure domain whose loss it absorbs
     /// and how fast the survivors re-accept that domain's connections.
     #[serde(default)]
@@ -353,8 +358,9 @@ impl Default for MetricsSpec {
 #[serde(rename_all = "camelCase")]
 pub struct DrainSpec {
     /// Connections per second one shard closes while draining (WebSocket
-    /// close 1001 / FIN), so clients reconnect at a bounded rate. Sizes the
-    /// pod's terminationGracePeriodSeconds. Default 2000.
+    /// close 1001 / FIN), so clients reconnect at a bounded rate; in a
+    /// rollout at most spec.rollout.maxReconnectRate. Sizes the pod's
+    /// terminationGracePeriodSeconds. Default 2000.
     #[serde(default = "default_drain_rate")]
     #[schemars(range(min = 1, max = 10_000_000))]
     pub rate: i64,
@@ -369,6 +375,40 @@ impl Default for DrainSpec {
         DrainSpec {
             rate: default_drain_rate(),
         }
+    }
+}
+
+/// How a change of the shards' pod template (image, env, resources, a
+/// re-plan, `kubectl rollout restart`) replaces them (ADR 0011).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Connections per second the whole fleet may close for a rollout: the
+    /// old shards drain in steps of maxReconnectRate ÷ spec.drain.rate
+    /// shards (at least one, each at min(spec.drain.rate,
+    /// maxReconnectRate)), each step after as many updated shards are
+    /// Ready, and the old shards not yet draining are cordoned, so clients
+    /// reconnect only to updated shards and at most this fast. A step
+    /// lasts a shard's cap ÷ its drain rate + 5 s
+    /// (status.plan.rolloutStepSeconds). Unset: no budget; the Deployment
+    /// replaces one shard at a time (`maxUnavailable: 1`) and a replaced
+    /// shard drains at spec.drain.rate, but the next one does not wait for
+    /// that drain, so the fleet-wide close rate has no bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10_000_000))]
+    pub max_reconnect_rate: Option<i64>,
+}
+
+impl RolloutSpec {
+    /// Whether rollouts run within a budget (maxReconnectRate set).
+    pub fn budgeted(&self) -> bool {
+        self.max_reconnect_rate.is_some()
+    }
+
+    /// The fleet's rollout budget, connections/s: maxReconnectRate, else
+    /// `drain_rate` (spec.drain.rate: what one replaced shard closes at).
+    pub fn budget(&self, drain_rate: i64) -> i64 {
+        self.max_reconnect_rate.unwrap_or(drain_rate)
     }
 }
 

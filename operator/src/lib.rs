@@ -31,6 +31,7 @@ pub mod promql;
 pub mod reason;
 pub mod reconcile;
 pub mod render;
+pub mod rollout;
 pub mod status;
 pub mod table;
 pub mod telemetry;

@@ -25,6 +25,11 @@ pub const PAUSE_ANNOTATION: &str = "c10m.dev/autoscaling-paused";
 /// first on scale-in (lower cost goes first; Kubernetes ≥ 1.22).
 pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
+/// Pod annotation the operator sets once it has cordoned the pod's shard
+/// (`POST /cordon` answered), and removes once it has uncordoned it: what
+/// a rollout has done survives a restart or a change of leader.
+pub const CORDONED_ANNOTATION: &str = "c10m.dev/cordoned";
+
 /// Node label: the hard RLIMIT_NOFILE, in descriptors, that containers on
 /// the node inherit from its container runtime (containerd passes its own
 /// limit on: `LimitNOFILE` of its unit, 524,288 with containerd 2.x). A

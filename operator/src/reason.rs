@@ -127,11 +127,14 @@ pub enum Reason {
     // --- kernel drift ---
     /// A shard runs under a kernel setting below its plan (condition, event).
     BelowPlan,
+    /// No running shard reported a setting its plan sets: nothing was
+    /// judged (KernelDrift=Unknown).
+    KernelNotReported,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 39] = [
+    pub const ALL: [Reason; 40] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -171,6 +174,7 @@ impl Reason {
         Reason::Rebalancing,
         Reason::ShedFailed,
         Reason::BelowPlan,
+        Reason::KernelNotReported,
     ];
 
     /// The reason spelled `s`, if it is one of the operator's.
@@ -220,6 +224,7 @@ impl Reason {
             Reason::Rebalancing => "Rebalancing",
             Reason::ShedFailed => "ShedFailed",
             Reason::BelowPlan => "BelowPlan",
+            Reason::KernelNotReported => "KernelNotReported",
         }
     }
 }

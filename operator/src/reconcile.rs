@@ -2,18 +2,21 @@
 //!
 //! ```text
 //! observe (client) → plan (pure) → metrics loop (client) → render (pure)
-//!   → apply (client) → observe the workload (client) → report (client)
+//!   → apply (client) → observe the workload (client) → rollout (pure)
+//!   → cordon (client) → report (client)
 //! ```
 //!
 //! [`reconcile`] is the driver, one line per step. The I/O of each step
-//! lives in its own module ([`observe`], [`apply`], [`report`]; the metrics
-//! loop in [`crate::autoscale`]); the pure steps are [`crate::plan`],
-//! [`crate::render`] and [`crate::status`]. Every path ends in
+//! lives in its own module ([`observe`], [`apply`], [`cordon`], [`report`];
+//! the metrics loop in [`crate::autoscale`]); the pure steps are
+//! [`crate::plan`], [`crate::render`], [`crate::rollout`] and
+//! [`crate::status`]. Every path ends in
 //! [`report::report`], which writes the status and events once. Controller
 //! wiring (watches, CRD install, run configuration) is in
 //! [`crate::controller`].
 
 pub mod apply;
+pub mod cordon;
 pub mod observe;
 pub mod report;
 
@@ -29,7 +32,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
 
-use crate::api::status::NodeSource;
+use crate::api::status::{NodeSource, RolloutStatus};
 use crate::api::{ConnectionFleet, Plan, SysctlMode};
 use crate::autoscale;
 use crate::names::FIELD_MANAGER;
@@ -37,6 +40,7 @@ use crate::plan::{self, NodeFacts, PlanError};
 use crate::policy::{Policy, Refusal};
 use crate::reason::Reason;
 use crate::render;
+use crate::rollout;
 use crate::status::{self, WorkloadFailure};
 
 /// Longest retry backoff after repeated errors.
@@ -112,6 +116,15 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Cordon: recording a rollout's cordon on a pod failed.
+    #[error("{what}: {}", concise(source))]
+    Rollout {
+        /// What the operator was recording.
+        what: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
     /// Report: writing the fleet's status failed.
     #[error("{what}: {}", concise(source))]
     Report {
@@ -139,6 +152,7 @@ impl Error {
             | Error::AdminSecret { .. }
             | Error::AdminSecretInvalid { .. }
             | Error::MetricsLoop { .. }
+            | Error::Rollout { .. }
             | Error::Report { .. } => Reason::ReconcileFailed,
         }
     }
@@ -154,6 +168,7 @@ impl Error {
                 "apply_error"
             }
             Error::MetricsLoop { .. } => "metrics_loop_error",
+            Error::Rollout { .. } => "rollout_error",
             Error::Report { .. } => "report_error",
         }
     }
@@ -321,6 +336,8 @@ pub enum Ended {
         deployment: Deployment,
         /// Why its pods cannot run, when the workload says so.
         failure: Option<WorkloadFailure>,
+        /// The rollout under way, if any.
+        rollout: Option<RolloutStatus>,
     },
 }
 
@@ -380,11 +397,24 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
     };
     let failure = status::workload_failure(&deployment, &workload.replica_sets, &workload.pods); // no client required
+    let rollout = rollout::observe(
+        &deployment,
+        &workload.replica_sets,
+        &workload.pods,
+        plan.drain_rate,
+    ); // no client required
+    let port = fleet.spec.server.metrics_port;
+    let orders = rollout.orders(fleet.spec.rollout.budgeted());
+    let done = match cordon::carry_out(&ctx.client, &ctx.http, &ns, port, &token, &orders).await {
+        Ok(done) => done,
+        Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+    }; // client required
     Ok(Ended::Applied {
         plan,
         looped,
         deployment,
         failure,
+        rollout: rollout.after(&done).status,
     })
 }
 

@@ -69,6 +69,11 @@ pub const SERVER_UID: i64 = 65532;
 /// on a real kubelet + containerd (tests/cluster/README.md, real node).
 pub const SERVER_GID: i64 = 65532;
 
+/// Seconds the Deployment's `progressDeadlineSeconds` adds to a rollout
+/// step (`minReadySeconds`): the Deployment controller's default deadline
+/// (600 s), counted from where a step is due to make progress. Chosen.
+pub const PROGRESS_DEADLINE_SLACK_SECONDS: i32 = 600;
+
 /// True when the bundled server's container starts as root and drops to
 /// [`SERVER_UID`]:[`SERVER_GID`] itself (`C10M_RUN_AS`): InitContainer mode,
 /// whose pods are privileged already. Kubernetes sets no ambient
@@ -163,11 +168,12 @@ pub fn render(
             plan::bundled::PARTIAL_BUDGET_BYTES_PER_WORKER,
         ),
     ];
-    // Drain: close at the fleet's rate on SIGTERM, keep accepting (with a
-    // goodbye) for the accept window meanwhile, finishing both before the
-    // grace period ends. A grace the policy cut ends the drain early.
+    // Drain: close at the plan's shard rate on SIGTERM, keep accepting
+    // (with a goodbye) for the accept window meanwhile, finishing both
+    // before the grace period ends. A grace the policy cut ends the drain
+    // early.
     let grace = plan.termination_grace_period_seconds;
-    env_vars.push(env(wire_env::DRAIN_RATE, spec.drain.rate));
+    env_vars.push(env(wire_env::DRAIN_RATE, plan.drain_rate));
     env_vars.push(env(
         wire_env::DRAIN_TIMEOUT_SECS,
         drain_timeout_seconds(grace),
@@ -300,6 +306,37 @@ pub fn render(
         admin::METRICS_PATH.to_string(),
     );
 
+    let step_seconds = i32::try_from(plan.rollout_step_seconds).unwrap_or(i32::MAX / 2);
+    let (rolling, min_ready_seconds, progress_deadline_seconds) = if spec.rollout.budgeted() {
+        // A rollout within spec.rollout.maxReconnectRate (ADR 0011):
+        // `rolloutSurge` updated shards are Ready, and have been for
+        // `rolloutStepSeconds` (the time an old shard takes to drain), before
+        // as many old ones are removed; none is removed first. The surge
+        // needs room on the nodes: without it the rollout waits, and the old
+        // shards keep serving. The progress deadline must exceed
+        // minReadySeconds (API validation); a step makes progress at least
+        // every step, so it marks a rollout stuck only when a step takes 10
+        // minutes longer than planned.
+        (
+            RollingUpdateDeployment {
+                max_surge: Some(IntOrString::Int(plan.rollout_surge.max(1))),
+                max_unavailable: Some(IntOrString::Int(0)),
+            },
+            Some(step_seconds),
+            Some(step_seconds.saturating_add(PROGRESS_DEADLINE_SLACK_SECONDS)),
+        )
+    } else {
+        // No budget: one shard at a time and no surge (a surge pod may find
+        // no free CPUs on nodes the plan fills).
+        (
+            RollingUpdateDeployment {
+                max_surge: Some(IntOrString::Int(0)),
+                max_unavailable: Some(IntOrString::Int(1)),
+            },
+            None,
+            None,
+        )
+    };
     let deployment = Deployment {
         metadata: meta.clone(),
         spec: Some(DeploymentSpec {
@@ -308,15 +345,12 @@ pub fn render(
                 match_labels: Some(selector(&name)),
                 ..Default::default()
             },
-            // One shard at a time and no surge: a surge pod may find no free
-            // CPUs on nodes the plan fills, which would stall the rollout.
             strategy: Some(DeploymentStrategy {
                 type_: Some("RollingUpdate".into()),
-                rolling_update: Some(RollingUpdateDeployment {
-                    max_surge: Some(IntOrString::Int(0)),
-                    max_unavailable: Some(IntOrString::Int(1)),
-                }),
+                rolling_update: Some(rolling),
             }),
+            min_ready_seconds,
+            progress_deadline_seconds,
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels(&name)),
@@ -995,9 +1029,15 @@ mod tests {
 
     #[test]
     fn grace_period_follows_the_drain_rate() {
-        for rate in [1_000i64, 7_000, 100_000] {
-            let c = case(json!({"connections": 1_000_000, "drain": {"rate": rate}}));
+        for (rate, budget) in [(1_000i64, 5_000i64), (7_000, 5_000), (7_000, 200_000)] {
+            let c = case(json!({
+                "connections": 1_000_000,
+                "drain": {"rate": rate},
+                "rollout": {"maxReconnectRate": budget}
+            }));
             let limit = c.plan.shard_connection_limit;
+            // One shard never closes faster than the fleet's budget.
+            let rate = rate.min(budget);
             let drain = (limit as f64 / rate as f64).ceil() as i64;
             // Drain time + the 5 s accept window + 20 s of slack.
             let grace = drain + 5 + 20;
@@ -1020,7 +1060,9 @@ mod tests {
             );
         }
         let slow = case(json!({"connections": 1_000_000, "drain": {"rate": 1000}}));
-        let fast = case(json!({"connections": 1_000_000, "drain": {"rate": 100000}}));
+        let fast = case(
+            json!({"connections": 1_000_000, "drain": {"rate": 100000}, "rollout": {"maxReconnectRate": 100000}}),
+        );
         assert!(
             pod(&slow.out).termination_grace_period_seconds
                 > pod(&fast.out).termination_grace_period_seconds
@@ -1312,8 +1354,17 @@ mod tests {
     }
 
     #[test]
-    fn replicas_are_the_given_count_rolled_one_at_a_time() {
-        let c = case(json!({"connections": 1_000_000}));
+    fn replicas_are_the_given_count_rolled_in_budgeted_steps() {
+        // No budget: the Deployment's own pacing, one shard at a time.
+        let d = case(json!({"connections": 1_000_000}));
+        assert_eq!((d.plan.drain_rate, d.plan.rollout_surge), (2000, 1));
+        let unbudgeted = d.out.deployment.spec.unwrap();
+        let rolling = unbudgeted.strategy.unwrap().rolling_update.unwrap();
+        assert_eq!(rolling.max_surge, Some(IntOrString::Int(0)));
+        assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(1)));
+        assert_eq!(unbudgeted.min_ready_seconds, None);
+        assert_eq!(unbudgeted.progress_deadline_seconds, None);
+        let c = case(json!({"connections": 1_000_000, "rollout": {"maxReconnectRate": 5000}}));
         let out = render(
             &c.fleet,
             &c.plan,
@@ -1324,8 +1375,28 @@ mod tests {
         let spec = out.deployment.spec.unwrap();
         assert_eq!(spec.replicas, Some(c.plan.shards + 3));
         let rolling = spec.strategy.unwrap().rolling_update.unwrap();
-        assert_eq!(rolling.max_surge, Some(IntOrString::Int(0)));
-        assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(1)));
+        // 5000/s of budget over 2000/s per shard: two shards a step, none
+        // removed before its replacement has been Ready for a step.
+        assert_eq!((c.plan.drain_rate, c.plan.rollout_surge), (2000, 2));
+        assert_eq!(rolling.max_surge, Some(IntOrString::Int(2)));
+        assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(0)));
+        let step = c.plan.drain_seconds + DRAIN_ACCEPT_SECONDS;
+        assert_eq!(c.plan.rollout_step_seconds, step);
+        assert_eq!(spec.min_ready_seconds, Some(step as i32));
+        assert_eq!(spec.progress_deadline_seconds, Some(step as i32 + 600));
+        // A budget below the shard rate: one shard a step, at the budget.
+        let slow = case(json!({"connections": 1_000_000, "rollout": {"maxReconnectRate": 50}}));
+        assert_eq!((slow.plan.drain_rate, slow.plan.rollout_surge), (50, 1));
+        let s = slow.out.deployment.spec.unwrap();
+        let rolling = s.strategy.unwrap().rolling_update.unwrap();
+        assert_eq!(rolling.max_surge, Some(IntOrString::Int(1)));
+        assert_eq!(
+            env_value(
+                &s.template.spec.unwrap().containers[0],
+                wire_env::DRAIN_RATE
+            ),
+            Some("50")
+        );
     }
 
     /// What the server makes of the rendered env, parsed by its own config

@@ -11,6 +11,7 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
+use crate::api::status::RolloutStatus;
 use crate::api::sysctl::join_names;
 use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
 use crate::plan::drain::{DRAIN_ACCEPT_SECONDS, DRAIN_SLACK_SECONDS, drain_timeout_seconds};
@@ -255,6 +256,8 @@ pub enum Outcome {
         shards: Shards,
         /// Why its pods cannot run, when the workload says so.
         failure: Option<WorkloadFailure>,
+        /// The rollout under way ([`crate::rollout::observe`]), if any.
+        rollout: Option<RolloutStatus>,
     },
     /// An API call failed (listing nodes, applying objects); retried with backoff.
     Failed {
@@ -310,12 +313,26 @@ pub fn next_status(
             plan,
             shards,
             failure,
+            rollout,
         } => {
-            let done = shards.rolled_out();
-            let counts = format!(
+            // Complete only when no old shard is left, draining ones
+            // included (the Deployment stops counting Terminating pods).
+            let done = shards.rolled_out() && rollout.is_none();
+            let mut counts = format!(
                 "{}/{} shards ready, {} updated",
                 shards.ready, shards.desired, shards.updated
             );
+            if let Some(r) = rollout {
+                counts.push_str(&format!(
+                    "; revision {}: {} old shards ({} cordoned), {} draining at {} connections/s{}",
+                    r.revision,
+                    r.old_shards,
+                    r.cordoned_shards,
+                    r.draining_shards,
+                    r.closes_per_second,
+                    if r.paused { "; paused" } else { "" }
+                ));
+            }
             if done {
                 set(
                     READY,
@@ -423,11 +440,15 @@ pub fn next_status(
         status.desired_shards = plan.shards;
         status.plan = Some(plan.clone());
     }
-    if let Outcome::Applied { shards, .. } = outcome {
+    if let Outcome::Applied {
+        shards, rollout, ..
+    } = outcome
+    {
         // The autoscaler may run more shards than the plan's floor.
         status.desired_shards = shards.desired;
         status.ready_shards = shards.ready;
         status.updated_shards = shards.updated;
+        status.rollout = rollout.clone();
     }
     status
 }
@@ -499,7 +520,7 @@ pub fn apply_loop(
             .retain(|c| c.type_ != METRICS_AVAILABLE.as_str() && c.type_ != KERNEL_DRIFT.as_str()),
     }
     if let Some((drifted, reason, message)) = &looped.kernel_drift {
-        set_condition(
+        set_condition_status(
             &mut status.conditions,
             KERNEL_DRIFT,
             *drifted,
@@ -615,7 +636,34 @@ pub fn set_condition(
     generation: i64,
     now: &Time,
 ) {
-    let status = if ok { "True" } else { "False" }.to_string();
+    set_condition_status(
+        conditions,
+        type_,
+        Some(ok),
+        reason,
+        message,
+        generation,
+        now,
+    );
+}
+
+/// [`set_condition`] with an `Unknown` status for `ok` = `None` (nothing
+/// could be judged).
+pub fn set_condition_status(
+    conditions: &mut Vec<Condition>,
+    type_: ConditionType,
+    ok: Option<bool>,
+    reason: Reason,
+    message: String,
+    generation: i64,
+    now: &Time,
+) {
+    let status = match ok {
+        Some(true) => "True",
+        Some(false) => "False",
+        None => "Unknown",
+    }
+    .to_string();
     let new = |t: Time| Condition {
         type_: type_.as_str().into(),
         status: status.clone(),
@@ -668,6 +716,110 @@ mod tests {
     }
 
     #[test]
+    fn a_rollout_under_way_is_told_in_progressing_and_in_status() {
+        let p = a_plan();
+        let rollout = RolloutStatus {
+            revision: 3,
+            updated_shards: 2,
+            old_shards: 1,
+            cordoned_shards: 1,
+            draining_shards: 1,
+            closes_per_second: 50,
+            paused: false,
+        };
+        let rolling = Outcome::Applied {
+            plan: p.clone(),
+            shards: Shards {
+                desired: 4,
+                ready: 2,
+                updated: 2,
+                total: 5,
+                observed: true,
+            },
+            failure: None,
+            rollout: Some(rollout.clone()),
+        };
+        let s = next_status(None, 1, 1000000, &rolling, &t(10));
+        let progressing = condition(&s, PROGRESSING).unwrap();
+        assert_eq!(progressing.status, "True");
+        assert_eq!(
+            progressing.message,
+            "2/4 shards ready, 2 updated; revision 3: 1 old shards (1 cordoned), 1 draining at 50 connections/s"
+        );
+        assert_eq!(s.rollout, Some(rollout.clone()));
+        let Outcome::Applied {
+            plan,
+            shards,
+            failure,
+            ..
+        } = rolling
+        else {
+            unreachable!()
+        };
+        let paused = Outcome::Applied {
+            plan,
+            shards,
+            failure,
+            rollout: Some(RolloutStatus {
+                paused: true,
+                ..rollout
+            }),
+        };
+        let s = next_status(Some(&s), 1, 1000000, &paused, &t(20));
+        assert!(
+            condition(&s, PROGRESSING)
+                .unwrap()
+                .message
+                .ends_with("; paused"),
+            "{:?}",
+            condition(&s, PROGRESSING)
+        );
+    }
+
+    /// Issue 22: the Deployment counts the last old shard out as soon as
+    /// its pod is Terminating; the rollout is complete only when it is
+    /// gone (`status.rollout` empty).
+    #[test]
+    fn a_rollout_with_an_old_shard_still_draining_is_not_complete() {
+        let Outcome::Applied {
+            plan,
+            shards,
+            failure,
+            ..
+        } = rolled_out(&a_plan())
+        else {
+            unreachable!()
+        };
+        let desired = shards.desired;
+        let draining = Outcome::Applied {
+            plan,
+            shards,
+            failure,
+            rollout: Some(RolloutStatus {
+                revision: 2,
+                updated_shards: desired,
+                old_shards: 0,
+                cordoned_shards: 0,
+                draining_shards: 1,
+                closes_per_second: 50,
+                paused: false,
+            }),
+        };
+        let s = next_status(None, 1, 1000000, &draining, &t(10));
+        let progressing = condition(&s, PROGRESSING).unwrap();
+        assert_eq!(
+            (progressing.status.as_str(), progressing.reason.as_str()),
+            ("True", "RollingOut")
+        );
+        assert_eq!(condition(&s, READY).unwrap().status, "False");
+        let s = next_status(Some(&s), 1, 1000000, &rolled_out(&a_plan()), &t(20));
+        assert_eq!(
+            condition(&s, PROGRESSING).unwrap().reason,
+            "RolloutComplete"
+        );
+    }
+
+    #[test]
     fn ready_when_rolled_out_and_times_stay_put() {
         let p = a_plan();
         let rolling = Outcome::Applied {
@@ -680,6 +832,7 @@ mod tests {
                 observed: true,
             },
             failure: None,
+            rollout: None,
         };
         let s1 = next_status(None, 1, 1000000, &rolling, &t(10));
         assert_eq!(condition(&s1, READY).unwrap().status, "False");
@@ -694,6 +847,7 @@ mod tests {
                 observed: true,
             },
             failure: None,
+            rollout: None,
         };
         let s2 = next_status(Some(&s1), 1, 1000000, &done, &t(20));
         let ready = condition(&s2, READY).unwrap();
@@ -726,6 +880,7 @@ mod tests {
                 observed: true,
             },
             failure: None,
+            rollout: None,
         };
         let s1 = next_status(None, 1, 1, &done, &t(1));
         let bad = Outcome::Rejected {
@@ -767,6 +922,7 @@ mod tests {
                 observed: true,
             },
             failure: None,
+            rollout: None,
         }
     }
 
@@ -888,7 +1044,7 @@ mod tests {
         let drifted = crate::autoscale::Outcome {
             metrics_condition: Some((true, Reason::MetricsRead, "read".into())),
             kernel_drift: Some((
-                true,
+                Some(true),
                 Reason::BelowPlan,
                 "shard p on node n: nofile is 1024, planned 20000".into(),
             )),
@@ -908,7 +1064,7 @@ mod tests {
         apply_loop(&mut s, &unread, 1, &t(3));
         assert_eq!(condition(&s, KERNEL_DRIFT).unwrap().status, "True");
         let fixed = crate::autoscale::Outcome {
-            kernel_drift: Some((false, Reason::AsPlanned, "as planned".into())),
+            kernel_drift: Some((Some(false), Reason::AsPlanned, "as planned".into())),
             ..drifted.clone()
         };
         apply_loop(&mut s, &fixed, 1, &t(4));
@@ -1217,6 +1373,7 @@ mod tests {
                 observed: true,
             },
             failure,
+            rollout: None,
         }
     }
 

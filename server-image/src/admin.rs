@@ -1,6 +1,6 @@
 //! The admin HTTP/1.1 server: `GET /metrics`, `GET /healthz`, and the
-//! authenticated `POST /drain?rate=R` and `POST /shed?count=N&rate=R`
-//! (bearer token from [`crate::token`], re-read from its file as it
+//! authenticated `POST /drain?rate=R`, `POST /shed?count=N&rate=R`,
+//! `POST /cordon` and `POST /uncordon` (bearer token from [`crate::token`], re-read from its file as it
 //! changes).
 //!
 //! Paths and query keys are the operator's contract
@@ -31,7 +31,10 @@ use mio::{Events, Interest, Poll, Token};
 use slab::Slab;
 use socket2::{Domain, Socket, Type};
 
-use c10m_wire::admin::{COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, METRICS_PATH, RATE_KEY, SHED_PATH};
+use c10m_wire::admin::{
+    CORDON_PATH, COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, METRICS_PATH, RATE_KEY, SHED_PATH,
+    UNCORDON_PATH,
+};
 use subtle::ConstantTimeEq;
 
 use crate::conn::CloseReason;
@@ -119,6 +122,9 @@ pub enum Health {
     Serving,
     /// Draining after SIGTERM/SIGINT: 503, so readiness drops.
     Draining,
+    /// Cordoned (`POST /cordon`): 503, so readiness drops while the held
+    /// connections stay.
+    Cordoned,
 }
 
 /// A parsed request head: what routing needs of it.
@@ -153,6 +159,9 @@ pub enum Action {
         /// Closes per second; 0 means all at once.
         rate: f64,
     },
+    /// `POST /cordon` (`true`) or `POST /uncordon` (`false`): readiness
+    /// drops (or comes back); held connections stay, accepting goes on.
+    Cordon(bool),
 }
 
 /// Whether `authorization` carries `Bearer <token>`, compared in constant
@@ -182,7 +191,8 @@ fn rate(query: &str) -> Result<Option<f64>, ()> {
     }
 }
 
-/// Parses the query of `POST /drain` or `POST /shed` into an [`Action`].
+/// Parses the path and query of an order (`POST /drain`, `/shed`,
+/// `/cordon`, `/uncordon`) into an [`Action`].
 pub fn parse_action(path: &str, query: &str) -> Result<Action, &'static str> {
     match path {
         DRAIN_PATH => Ok(Action::Drain {
@@ -198,6 +208,8 @@ pub fn parse_action(path: &str, query: &str) -> Result<Action, &'static str> {
                 rate: rate.unwrap_or(0.0),
             })
         }
+        CORDON_PATH => Ok(Action::Cordon(true)),
+        UNCORDON_PATH => Ok(Action::Cordon(false)),
         _ => Err("unknown action"),
     }
 }
@@ -243,7 +255,7 @@ pub fn route_checked(
 ) -> Response {
     let (method, target) = (req.method.as_str(), req.target.as_str());
     let path = target.split(['?', '#']).next().unwrap_or(target);
-    if matches!(path, DRAIN_PATH | SHED_PATH) {
+    if matches!(path, DRAIN_PATH | SHED_PATH | CORDON_PATH | UNCORDON_PATH) {
         if method != "POST" {
             let mut r = Response::text(405, "method not allowed");
             r.headers.push(("Allow", "POST"));
@@ -292,6 +304,7 @@ pub fn route_checked(
         }
         (_, Health::Serving) => Response::text(200, "ok"),
         (_, Health::Draining) => Response::text(503, "draining"),
+        (_, Health::Cordoned) => Response::text(503, "cordoned"),
     }
 }
 
@@ -712,6 +725,8 @@ fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
     let (metrics, shared) = (&state.metrics, &state.shared);
     let health = if shared.draining() {
         Health::Draining
+    } else if shared.cordoned() {
+        Health::Cordoned
     } else {
         Health::Serving
     };
@@ -751,6 +766,15 @@ fn act(state: &AdminState, action: Action) -> String {
             shared.set_order(CloseOrder::new(CloseReason::Shed, count, rate));
             format!(
                 "{{\"action\":\"shed\",\"count\":{count},\"rate\":{rate},\"live\":{}}}",
+                shared.live()
+            )
+        }
+        Action::Cordon(on) => {
+            shared.set_cordoned(on);
+            state.metrics.cordoned.set(i64::from(on));
+            format!(
+                "{{\"action\":\"{}\",\"live\":{}}}",
+                if on { "cordon" } else { "uncordon" },
                 shared.live()
             )
         }
@@ -873,6 +897,32 @@ mod tests {
         );
         assert_eq!(got.status, 405);
         assert_eq!(asked.get(), 0);
+    }
+
+    #[test]
+    fn a_cordon_drops_readiness_and_an_uncordon_restores_it() {
+        let mut got = Vec::new();
+        for (target, want) in [
+            ("/cordon", Action::Cordon(true)),
+            ("/uncordon", Action::Cordon(false)),
+        ] {
+            let mut r = req("POST", target);
+            r.authorization = Some("Bearer tok".into());
+            let answer = super::route(&r, Health::Serving, Some("tok"), &m, &mut |a| {
+                got.push(a);
+                "{}".into()
+            });
+            assert_eq!(answer.status, 202, "{target}");
+            assert_eq!(got.pop(), Some(want));
+            r.authorization = None;
+            assert_eq!(route(&r, Health::Serving, &m).status, 401, "{target}");
+            r.method = "GET".into();
+            assert_eq!(route(&r, Health::Serving, &m).status, 405, "{target}");
+        }
+        let probe = route(&req("GET", "/healthz"), Health::Cordoned, &m);
+        assert_eq!((probe.status, probe.body.as_str()), (503, "cordoned\n"));
+        let scrape = route(&req("GET", "/metrics"), Health::Cordoned, &m);
+        assert_eq!(scrape.status, 200, "a cordoned shard is still scraped");
     }
 
     #[test]

@@ -97,6 +97,8 @@ pub struct Shared {
     live: AtomicU64,
     cap: u64,
     draining: Arc<AtomicBool>,
+    /// Cordoned by `POST /cordon`: readiness drops, nothing else changes.
+    cordoned: AtomicBool,
     /// Drain deadline passed: close what is left at once.
     force: AtomicBool,
     order: Mutex<Option<Arc<CloseOrder>>>,
@@ -112,6 +114,7 @@ impl Shared {
             live: AtomicU64::new(0),
             cap,
             draining,
+            cordoned: AtomicBool::new(false),
             force: AtomicBool::new(false),
             order: Mutex::new(None),
             order_gen: AtomicU64::new(0),
@@ -142,6 +145,16 @@ impl Shared {
     /// Whether the server is draining.
     pub fn draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
+    }
+
+    /// Whether the shard is cordoned (`POST /cordon`, not lifted since).
+    pub fn cordoned(&self) -> bool {
+        self.cordoned.load(Ordering::Acquire)
+    }
+
+    /// Cordons the shard (`true`) or lifts the cordon (`false`).
+    pub fn set_cordoned(&self, on: bool) {
+        self.cordoned.store(on, Ordering::Release);
     }
 
     /// Records the workers' wakers (once, after they started).

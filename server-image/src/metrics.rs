@@ -225,6 +225,8 @@ pub struct Metrics {
     pub fd_limit: Gauge,
     /// `c10m_draining`: 1 once SIGTERM/SIGINT started the drain, else 0.
     pub draining: Gauge,
+    /// `c10m_cordoned`: 1 while cordoned by `POST /cordon`, else 0.
+    pub cordoned: Gauge,
     /// `c10m_workers`: worker threads (one listener and event loop each).
     pub workers: Gauge,
     /// `c10m_close_pending`: connections still to close on the current
@@ -289,6 +291,7 @@ impl Metrics {
             capacity: Gauge::default(),
             fd_limit: Gauge::default(),
             draining: Gauge::default(),
+            cordoned: Gauge::default(),
             workers: Gauge::default(),
             close_pending: Gauge::default(),
             tcp_sockets: Family::default(),
@@ -337,6 +340,11 @@ impl Metrics {
             "c10m_draining",
             "1 while the server drains after SIGTERM or SIGINT, else 0",
             m.draining.clone(),
+        );
+        registry.register(
+            "c10m_cordoned",
+            "1 while the shard is cordoned (POST /cordon: not ready, held connections kept), else 0",
+            m.cordoned.clone(),
         );
         registry.register(
             "c10m_workers",
@@ -568,6 +576,7 @@ mod tests {
             "c10m_connections_capacity 19960",
             "c10m_fd_limit 20000",
             "c10m_draining 0",
+            "c10m_cordoned 0",
             "c10m_workers 2",
             "# UNIT c10m_received_bytes bytes",
             "c10m_received_bytes_total{worker=\"1\"} 10",

@@ -50,8 +50,9 @@ pub enum Verdict {
     Unavailable,
 }
 
-/// Reads a token file once: surrounding whitespace trimmed, `Ok(None)` if
-/// nothing is left. Opened non-blocking (a FIFO at the path cannot hang the
+/// Reads a token file once: the token as [`c10m_wire::admin::token`]
+/// defines it (surrounding whitespace trimmed, visible ASCII), `Ok(None)`
+/// if nothing is left. Opened non-blocking (a FIFO at the path cannot hang the
 /// admin thread), refused unless it is a regular file of at most
 /// [`MAX_TOKEN_BYTES`] bytes in UTF-8.
 pub fn read_token_file(path: &Path) -> io::Result<Option<String>> {
@@ -75,8 +76,9 @@ pub fn read_token_file(path: &Path) -> io::Result<Option<String>> {
     }
     let text = String::from_utf8(bytes)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8"))?;
-    let token = text.trim();
-    Ok((!token.is_empty()).then(|| token.to_string()))
+    c10m_wire::admin::token(&text)
+        .map(|t| t.map(str::to_string))
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// Where an [`AdminToken`] comes from.
@@ -152,9 +154,9 @@ impl AdminToken {
 
     /// A token fixed for the life of the process; blank counts as none.
     pub fn fixed(token: &str) -> Self {
-        match token.trim() {
-            "" => Self::none(),
-            t => AdminToken(Inner::Fixed(t.to_string())),
+        match c10m_wire::admin::token(token) {
+            Ok(Some(t)) => AdminToken(Inner::Fixed(t.to_string())),
+            Ok(None) | Err(_) => Self::none(),
         }
     }
 
@@ -177,11 +179,19 @@ impl AdminToken {
     }
 
     /// From the configuration: the file if one is named, else the fixed
-    /// token, else none.
+    /// token, else none. A fixed token that is no token
+    /// ([`c10m_wire::admin::token`]) is an error, not a silent "none".
     pub fn from_config(config: &crate::Config) -> io::Result<Self> {
         match (&config.admin_token_file, &config.admin_token) {
             (Some(path), _) => Self::file(path),
-            (None, Some(token)) => Ok(Self::fixed(token)),
+            (None, Some(token)) => c10m_wire::admin::token(token)
+                .map(|_| Self::fixed(token))
+                .map_err(|e| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{}: {e}", c10m_wire::env::ADMIN_TOKEN),
+                    )
+                }),
             (None, None) => Ok(Self::none()),
         }
     }

@@ -160,6 +160,18 @@ spec:
     )
 }
 
+/// Replaces the load generator's `--targets-file` at `path` with `targets`
+/// (`ip:port` lines) at once (write, then rename), so c10m-loadgen never
+/// reads half a list. An empty list leaves the file as it was.
+pub fn write_targets(path: &Path, targets: &[String]) {
+    if targets.is_empty() {
+        return;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, targets.join("\n") + "\n").unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
 /// `kubectl get -o json` of one object, `None` when it does not exist.
 pub fn get_json(ns: &str, kind: &str, name: &str) -> Option<Value> {
     let out = kubectl_with(&["get", "-n", ns, kind, name, "-o", "json"], None);
@@ -386,13 +398,25 @@ pub fn condition<'a>(obj: &'a Value, type_: &str) -> Option<&'a Value> {
 
 /// Events in `ns` whose regarding/involved object is `name`, as (type, reason, note).
 pub fn events_for(ns: &str, name: &str) -> Vec<(String, String, String)> {
+    events_where(ns, |regarding| regarding["name"] == name)
+}
+
+/// Events in `ns` regarding the ConnectionFleet `name` only (not its
+/// Deployment or Service, which share its name), as (type, reason, note).
+pub fn fleet_events(ns: &str, name: &str) -> Vec<(String, String, String)> {
+    events_where(ns, |regarding| {
+        regarding["name"] == name && regarding["kind"] == "ConnectionFleet"
+    })
+}
+
+fn events_where(ns: &str, regarding: impl Fn(&Value) -> bool) -> Vec<(String, String, String)> {
     let out = kubectl(&["get", "events.events.k8s.io", "-n", ns, "-o", "json"]);
     let v: Value = serde_json::from_str(&out).unwrap();
     v["items"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|e| e["regarding"]["name"] == name)
+        .filter(|e| regarding(&e["regarding"]))
         .map(|e| {
             (
                 e["type"].as_str().unwrap_or_default().to_string(),

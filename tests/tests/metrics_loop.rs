@@ -98,11 +98,7 @@ impl Scenario {
                     .filter(|p| p.ready)
                     .map(|p| format!("{}:7000", p.ip))
                     .collect();
-                if !ips.is_empty() {
-                    let tmp = path.with_extension("tmp");
-                    std::fs::write(&tmp, ips.join("\n") + "\n").unwrap();
-                    std::fs::rename(&tmp, &path).unwrap();
-                }
+                write_targets(&path, &ips);
                 std::thread::sleep(Duration::from_millis(500));
             }
         });

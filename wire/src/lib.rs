@@ -107,13 +107,25 @@ pub mod protocol {
 pub mod admin {
     /// `GET`: Prometheus text exposition.
     pub const METRICS_PATH: &str = "/metrics";
-    /// `GET`: 200 while serving, 503 while draining; the probes' path.
+    /// `GET`: 200 while serving, 503 while draining or cordoned; the
+    /// probes' path.
     pub const HEALTHZ_PATH: &str = "/healthz";
     /// `POST`, bearer token: start a drain at `?rate=` connections/s.
     pub const DRAIN_PATH: &str = "/drain";
     /// `POST`, bearer token: close `?count=` connections at `?rate=`
     /// connections/s with a protocol goodbye.
     pub const SHED_PATH: &str = "/shed";
+    /// `POST`, bearer token: cordon the shard. `/healthz` answers 503, so
+    /// its readiness drops and it leaves the Service's endpoints, while it
+    /// keeps every held connection and still accepts what reaches it (a
+    /// client racing the endpoint removal is served, not refused). A
+    /// rollout cordons the old revision's shards before any of them
+    /// drains, so the clients a drain closes reconnect to updated shards
+    /// only.
+    pub const CORDON_PATH: &str = "/cordon";
+    /// `POST`, bearer token: lift [`CORDON_PATH`] (`/healthz` answers 200
+    /// again unless draining).
+    pub const UNCORDON_PATH: &str = "/uncordon";
     /// Query key of [`SHED_PATH`]: connections to close (integer ≥ 0).
     pub const COUNT_KEY: &str = "count";
     /// Query key of [`DRAIN_PATH`] and [`SHED_PATH`]: connections/s (≥ 0).
@@ -130,6 +142,31 @@ pub mod admin {
     pub const TOKEN_PATH: &str = "/var/run/c10m/admin/token";
     /// Name of the container port serving the admin paths.
     pub const PORT_NAME: &str = "metrics";
+
+    /// What an admin token is, for both sides: the text of the Secret's
+    /// [`TOKEN_KEY`] (the server's token file, or its fixed token) with
+    /// surrounding whitespace trimmed (`kubectl create secret
+    /// --from-file` and `echo … | base64` leave a trailing newline), and
+    /// what is left made only of visible ASCII (0x21–0x7E), the characters
+    /// an HTTP `Authorization: Bearer` value carries as they are (a control
+    /// character makes HTTP clients refuse the header). `Ok(None)`: blank,
+    /// no token. `Err`: what makes it unusable, for the error that names
+    /// the Secret or the file.
+    pub fn token(text: &str) -> Result<Option<&str>, String> {
+        let t = text.trim();
+        if t.is_empty() {
+            return Ok(None);
+        }
+        match t
+            .char_indices()
+            .find(|(_, c)| !matches!(c, '\x21'..='\x7e'))
+        {
+            None => Ok(Some(t)),
+            Some((at, c)) => Err(format!(
+                "character {c:?} at byte {at} of the trimmed token: a token is visible ASCII only"
+            )),
+        }
+    }
 }
 
 /// Metric names of `c10m-server` that the operator's default queries use.
@@ -278,6 +315,21 @@ pub mod sysctl_tool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 21: the bytes a rotated Secret holds after `kubectl create
+    /// secret --from-file` or `echo … | base64` are the same token as
+    /// without the newline, on both sides.
+    #[test]
+    fn a_token_is_its_trimmed_visible_ascii() {
+        assert_eq!(admin::token("s3cret\n"), Ok(Some("s3cret")));
+        assert_eq!(admin::token("\t s3cret \r\n"), Ok(Some("s3cret")));
+        assert_eq!(admin::token("\n \n"), Ok(None));
+        assert_eq!(admin::token(""), Ok(None));
+        let e = admin::token("two words").unwrap_err();
+        assert!(e.contains("' ' at byte 3"), "{e}");
+        assert!(admin::token("t\u{7f}k").is_err());
+        assert!(admin::token("tök").is_err());
+    }
 
     #[test]
     fn fd_reserve_counts_base_and_workers() {

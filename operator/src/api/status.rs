@@ -181,10 +181,28 @@ pub struct Plan {
         deserialize_with = "lenient_sysctls"
     )]
     pub sysctls_capped: Sysctls,
+    /// Connections per second one departing shard closes
+    /// (`C10M_DRAIN_RATE`): spec.drain.rate, at most
+    /// spec.rollout.maxReconnectRate, so one draining shard alone never
+    /// exceeds the fleet's budget. 0 in statuses written before it existed.
+    #[serde(default)]
+    pub drain_rate: i64,
     /// Seconds a departing shard needs to close its connection cap at
-    /// spec.drain.rate.
+    /// `drainRate`.
     #[serde(default)]
     pub drain_seconds: i64,
+    /// Shards a rollout replaces at once: the Deployment's `maxSurge`
+    /// (with `maxUnavailable: 0`), so that many updated shards are Ready
+    /// before as many old ones drain. spec.rollout.maxReconnectRate ÷
+    /// `drainRate`, at least 1, at most `shards`.
+    #[serde(default)]
+    pub rollout_surge: i32,
+    /// Seconds between a rollout's steps: the Deployment's
+    /// `minReadySeconds`, so a step's old shards have drained their cap at
+    /// `drainRate` (and their accept window ended) before the next step's
+    /// drain starts. `drainSeconds` plus the accept window.
+    #[serde(default)]
+    pub rollout_step_seconds: i64,
     /// terminationGracePeriodSeconds of the shards' pods: the drain, the
     /// accept window and slack, at most the operator policy's bound.
     #[serde(default)]
@@ -465,6 +483,46 @@ pub struct ConnectionFleetStatus {
         deserialize_with = "lenient"
     )]
     pub rebalance: Option<RebalanceStatus>,
+
+    /// The rollout under way (a new pod template replacing the shards
+    /// within spec.rollout.maxReconnectRate); absent when every shard runs
+    /// the current template.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
+    pub rollout: Option<RolloutStatus>,
+}
+
+/// A rollout's progress, read from the fleet's ReplicaSets and pods.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStatus {
+    /// The Deployment revision being rolled out
+    /// (`deployment.kubernetes.io/revision` of its newest ReplicaSet).
+    pub revision: i64,
+    /// Shards running the new template.
+    pub updated_shards: i32,
+    /// Old shards not draining yet: they hold their clients until their
+    /// step.
+    #[serde(default)]
+    pub old_shards: i32,
+    /// Of `oldShards`, those cordoned (not ready, out of the Service's
+    /// endpoints, their held connections kept), so no client lands on
+    /// them: all of them once an updated shard is Ready.
+    pub cordoned_shards: i32,
+    /// Old shards draining (their pods terminating).
+    pub draining_shards: i32,
+    /// Connections per second the draining shards close together
+    /// (`drainingShards` × plan.drainRate); at most
+    /// spec.rollout.maxReconnectRate.
+    pub closes_per_second: i64,
+    /// The Deployment is paused (`kubectl rollout pause`): no new step
+    /// starts; the old shards stay cordoned, and shards already draining
+    /// finish.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 /// What the autoscaler decided and why.

@@ -11,6 +11,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 
 use c10m_wire::admin;
+use tracing::info;
 
 use super::decide::{Acted, Decision};
 use super::rebalance::ShedOrder;
@@ -18,7 +19,8 @@ use crate::names::POD_DELETION_COST;
 use crate::reason::{Announcement, EventAction, Reason};
 
 /// Marks the decision's victims, then sends its shed orders (orders to a
-/// pod with no IP yet are skipped).
+/// pod with no IP yet are skipped). Each order a shard accepts is logged
+/// (`shed order accepted`, with its pod, count and rate).
 pub async fn act(
     decision: &Decision,
     pods: &Api<Pod>,
@@ -33,7 +35,10 @@ pub async fn act(
     for s in &plan.orders {
         let Some(ip) = &s.ip else { continue };
         match shed(http, ip, plan.port, token, &s.order).await {
-            Ok(()) => acted.sent = acted.sent.saturating_add(s.order.count),
+            Ok(()) => {
+                info!(pod = %s.order.pod, count = s.order.count, rate = s.order.rate, "shed order accepted");
+                acted.sent = acted.sent.saturating_add(s.order.count);
+            }
             Err(e) => acted.failures.push(Announcement::warning(
                 Reason::ShedFailed,
                 EventAction::Autoscale,
@@ -63,23 +68,39 @@ pub async fn shed(
     token: &str,
     order: &ShedOrder,
 ) -> anyhow::Result<()> {
-    let url = format!(
-        "http://{ip}:{port}{}?{}={}&{}={}",
+    let target = format!(
+        "{}?{}={}&{}={}",
         admin::SHED_PATH,
         admin::COUNT_KEY,
         order.count,
         admin::RATE_KEY,
         order.rate
     );
+    post(http, &order.pod, ip, port, token, &target).await
+}
+
+/// Sends an order (`POST <target>`, `target` a path and query of
+/// [`c10m_wire::admin`]) with the fleet's bearer `token` to the admin
+/// endpoint of shard `pod` at `ip:port`, within 5 s. Errors name the
+/// pod, the URL and the answer.
+pub async fn post(
+    http: &reqwest::Client,
+    pod: &str,
+    ip: &str,
+    port: i32,
+    token: &str,
+    target: &str,
+) -> anyhow::Result<()> {
+    let url = format!("http://{ip}:{port}{target}");
     let res = http
         .post(&url)
         .bearer_auth(token)
         .timeout(Duration::from_secs(5))
         .send()
         .await
-        .map_err(|e| anyhow::anyhow!("shed order to {} ({url}): {e}", order.pod))?;
+        .map_err(|e| anyhow::anyhow!("order to {pod} ({url}): {e}"))?;
     if !res.status().is_success() {
-        anyhow::bail!("shed order to {} ({url}): HTTP {}", order.pod, res.status());
+        anyhow::bail!("order to {pod} ({url}): HTTP {}", res.status());
     }
     Ok(())
 }

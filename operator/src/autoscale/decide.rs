@@ -151,9 +151,10 @@ pub struct Outcome {
     pub rebalance: Option<RebalanceStatus>,
     /// Events to publish.
     pub events: Vec<Announcement>,
-    /// `KernelDrift` condition: (drifted, reason, message); `None` when the
+    /// `KernelDrift` condition: (drifted, reason, message), drifted `None`
+    /// (Unknown) when no shard reported what its plan sets; `None` when the
     /// shards' kernel settings were not read in this sync.
-    pub kernel_drift: Option<(bool, Reason, String)>,
+    pub kernel_drift: Option<(Option<bool>, Reason, String)>,
     /// Time until the next sync, when the loop is on.
     pub resync: Option<Duration>,
 }

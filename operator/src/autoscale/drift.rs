@@ -166,6 +166,46 @@ pub fn drifts(plan: &Plan, shards: &[ShardKernel]) -> Vec<Drift> {
 /// while it lasts, and again if it comes back.
 pub type Announced = BTreeSet<(String, String)>;
 
+/// What a read of the `shards`' kernel settings says against `plan`: the
+/// `KernelDrift` condition (drifted, reason, message) and a Warning per new
+/// drift ([`judge`]). A read in which no shard reported a single setting
+/// the plan sets (no shard running yet, servers that export no kernel
+/// series, a scrape that lost them) judged nothing: the condition is
+/// Unknown (`KernelNotReported`), never a clean bill, and `announced` is
+/// kept as it was.
+pub fn read(
+    plan: &Plan,
+    shards: &[ShardKernel],
+    announced: &mut Announced,
+) -> ((Option<bool>, Reason, String), Vec<Announcement>) {
+    let planned = planned(plan);
+    let reported = shards
+        .iter()
+        .filter(|s| {
+            planned
+                .iter()
+                .any(|(setting, _)| s.values.contains_key(setting))
+        })
+        .count();
+    if reported == 0 {
+        let settings: Vec<&str> = planned.iter().map(|(s, _)| s.as_str()).collect();
+        return (
+            (
+                None,
+                Reason::KernelNotReported,
+                format!(
+                    "none of the {} running shards reported its kernel settings ({}; query {KERNEL_QUERY}): nothing was judged",
+                    shards.len(),
+                    settings.join(", "),
+                ),
+            ),
+            Vec::new(),
+        );
+    }
+    let ((drifted, reason, message), events) = judge(&drifts(plan, shards), announced);
+    ((Some(drifted), reason, message), events)
+}
+
 /// What a kernel read says: the `KernelDrift` condition (drifted, reason,
 /// message) and a Warning per drift not in `announced`, which becomes the
 /// drifts of now.
@@ -373,6 +413,32 @@ mod tests {
         let ((on, reason, _), events) = judge(&[], &mut announced);
         assert!(!on && reason == Reason::AsPlanned && events.is_empty());
         assert_eq!(judge(&d[1..], &mut announced).1.len(), 1);
+    }
+
+    /// Issue 21: a read in which no shard reported a planned setting (no
+    /// samples at all, or shards listed without a single series) is
+    /// Unknown with a reason, never `AsPlanned`; one reporting shard is
+    /// enough to judge.
+    #[test]
+    fn an_empty_kernel_read_is_unknown_not_as_planned() {
+        let mut announced = Announced::new();
+        for shards in [
+            Vec::new(),
+            vec![ShardKernel {
+                pod: "p1".into(),
+                node: Some("n1".into()),
+                values: BTreeMap::new(),
+            }],
+        ] {
+            let ((drifted, reason, message), events) = read(&plan(), &shards, &mut announced);
+            assert_eq!((drifted, reason), (None, Reason::KernelNotReported));
+            assert!(message.contains("nothing was judged"), "{message}");
+            assert!(events.is_empty());
+        }
+        let shards = group(&fleet(1_024.0, 4_096.0, 200.0), &running());
+        let ((drifted, reason, _), events) = read(&plan(), &shards, &mut announced);
+        assert_eq!((drifted, reason), (Some(true), Reason::BelowPlan));
+        assert!(!events.is_empty());
     }
 
     /// The kernel query reads only the fleet's own series, and the policy's.

@@ -74,8 +74,7 @@ pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::E
     let acted = act::act(&decision, i.pods, i.http, i.token).await?; // client required
     let mut outcome = decision.settle(acted); // no client required
     if let Some(kernel) = &observation.kernel {
-        let found = drift::drifts(i.plan, kernel);
-        let (condition, events) = drift::judge(&found, &mut memory.drift);
+        let (condition, events) = drift::read(i.plan, kernel, &mut memory.drift);
         outcome.kernel_drift = Some(condition);
         outcome.events.extend(events);
     }

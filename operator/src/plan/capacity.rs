@@ -658,11 +658,14 @@ fn plan_shape(
     let packed = per_node_shards.min(shards);
     let nofile = inputs.nofile(shard_connection_limit);
 
+    let budget = spec.rollout.budget(spec.drain.rate);
+    let drain_rate = drain::shard_rate(spec.drain.rate, budget);
     let drain = drain::drain(
         shard_connection_limit,
-        spec.drain.rate,
+        drain_rate,
         policy.max_termination_grace_period_seconds,
     );
+    let rollout = drain::rollout(shards, drain_rate, budget, drain);
     let (sysctls, sysctls_not_applied) = plan_sysctls(
         spec,
         &node.runtime,
@@ -721,7 +724,10 @@ fn plan_shape(
         sysctls,
         sysctls_not_applied,
         sysctls_capped,
+        drain_rate,
         drain_seconds: drain.seconds,
+        rollout_surge: rollout.surge as i32,
+        rollout_step_seconds: rollout.step_seconds,
         termination_grace_period_seconds: drain.grace,
         drain_cut_by_policy: drain.cut,
         node_memory_bytes: node.memory_bytes,

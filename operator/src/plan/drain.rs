@@ -66,6 +66,47 @@ pub fn drain(connections: i64, rate: i64, max_grace: i64) -> Drain {
     }
 }
 
+/// One departing shard's close rate, connections/s: `rate`
+/// (spec.drain.rate), at most the fleet's budget `max_reconnect_rate`
+/// (spec.rollout.maxReconnectRate), so a shard draining alone never exceeds it.
+pub fn shard_rate(rate: i64, max_reconnect_rate: i64) -> i64 {
+    rate.min(max_reconnect_rate).max(1)
+}
+
+/// How a rollout replaces the shards within the fleet's reconnect budget
+/// (see [`rollout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rollout {
+    /// Shards replaced per step: the Deployment's `maxSurge`
+    /// (`maxUnavailable` is 0).
+    pub surge: i64,
+    /// Seconds between steps: the Deployment's `minReadySeconds`.
+    pub step_seconds: i64,
+}
+
+/// The rollout of `shards` shards whose departures close at `shard_rate`
+/// connections/s each, under a fleet budget of `max_reconnect_rate`
+/// connections/s, for a `drain` ([`drain`]).
+///
+/// A step surges `surge` = budget ÷ shard rate updated shards (at least 1,
+/// at most `shards`), so the step's old shards, draining together, close
+/// at most `max(budget, shard rate)` = the budget (the shard rate is at
+/// most the budget, [`shard_rate`]). The Deployment controller removes old
+/// shards only when as many updated ones have been Ready for
+/// `minReadySeconds`; setting that to the time an old shard needs to close
+/// its cap (cut where the policy cuts the drain: the server closes the rest
+/// at its drain timeout) plus the accept window keeps each step's drain
+/// from overlapping the next one's. Shards hold at most their cap, so the
+/// bound holds whatever they hold.
+pub fn rollout(shards: i64, shard_rate: i64, max_reconnect_rate: i64, drain: Drain) -> Rollout {
+    let surge = (max_reconnect_rate / shard_rate.max(1)).clamp(1, shards.max(1));
+    let closing = drain.seconds.min(drain_timeout_seconds(drain.grace).max(0));
+    Rollout {
+        surge,
+        step_seconds: closing + DRAIN_ACCEPT_SECONDS,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,5 +163,35 @@ mod tests {
         assert_eq!((fits.grace, fits.cut), (3600, false));
         let over = drain(3600 - 24, 1, 3600);
         assert_eq!((over.grace, over.cut), (3600, true));
+    }
+
+    #[test]
+    fn a_shard_drains_within_the_fleet_budget() {
+        assert_eq!(shard_rate(2000, 5000), 2000);
+        assert_eq!(shard_rate(2000, 50), 50);
+        assert_eq!(shard_rate(0, 0), 1, "never a zero rate");
+    }
+
+    #[test]
+    fn rollout_steps_close_within_the_budget_and_never_overlap() {
+        let d = drain(10_000, 2000, 3600);
+        // 5000/s over 2000/s per shard: two shards a step, 4000/s together.
+        let r = rollout(8, 2000, 5000, d);
+        assert_eq!(r.surge, 2);
+        assert!(r.surge * 2000 <= 5000);
+        // A step lasts the cap's drain (5 s) plus the accept window.
+        assert_eq!(r.step_seconds, 5 + DRAIN_ACCEPT_SECONDS);
+        // A budget below one shard's rate: one shard a step.
+        assert_eq!(rollout(8, 50, 50, drain(200, 50, 3600)).surge, 1);
+        // Never more than the fleet has, never none.
+        assert_eq!(rollout(3, 10, 1_000_000, d).surge, 3);
+        assert_eq!(rollout(0, 10, 5, d).surge, 1);
+        // A drain the policy cuts ends at the server's drain timeout.
+        let cut = drain(1_000_000, 1, 600);
+        assert!(cut.cut);
+        assert_eq!(
+            rollout(4, 1, 1, cut).step_seconds,
+            drain_timeout_seconds(600) + DRAIN_ACCEPT_SECONDS
+        );
     }
 }

@@ -40,6 +40,19 @@ pub async fn objects(client: &Client, ns: &str, objects: &Rendered) -> Result<De
     Ok(deployment)
 }
 
+/// The token an admin Secret holds under [`TOKEN_KEY`], as both sides read
+/// it ([`c10m_wire::admin::token`]): a trailing newline from `kubectl create
+/// secret --from-file` or `echo … | base64` is no part of it. `None`: no
+/// usable token (missing, blank, not UTF-8, or not visible ASCII).
+pub fn secret_token(secret: &Secret) -> Option<String> {
+    let bytes = &secret.data.as_ref()?.get(TOKEN_KEY)?.0;
+    let text = std::str::from_utf8(bytes).ok()?;
+    c10m_wire::admin::token(text)
+        .ok()
+        .flatten()
+        .map(str::to_string)
+}
+
 /// The fleet's admin token (the bearer token of its shards' `/drain` and
 /// `/shed`): read from its Secret `<fleet>-admin`, or created once (32
 /// random bytes, hex) with the fleet as owner. Never rotated by the
@@ -58,14 +71,7 @@ pub async fn admin_secret(
         name: name.clone(),
         source,
     };
-    let token = |s: Secret| {
-        s.data
-            .and_then(|d| {
-                d.get(TOKEN_KEY)
-                    .map(|t| String::from_utf8_lossy(&t.0).into_owned())
-            })
-            .filter(|t| !t.trim().is_empty())
-    };
+    let token = |s: Secret| secret_token(&s);
     if let Some(found) = api.get_opt(&name).await.map_err(err)? {
         return token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() });
     }
@@ -93,5 +99,36 @@ pub async fn admin_secret(
             token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() })
         }
         Err(e) => Err(err(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(bytes: &[u8]) -> Secret {
+        Secret {
+            data: Some(BTreeMap::from([(
+                TOKEN_KEY.to_string(),
+                ByteString(bytes.to_vec()),
+            )])),
+            ..Default::default()
+        }
+    }
+
+    /// Issue 21: a Secret rotated with `kubectl create secret --from-file`
+    /// holds the token and a newline; the operator sends the token alone
+    /// (reqwest refuses a header value with a newline in it).
+    #[test]
+    fn a_rotated_secret_with_a_trailing_newline_gives_the_bare_token() {
+        let token = secret_token(&secret(b"s3cret\n"));
+        assert_eq!(token.as_deref(), Some("s3cret"));
+        let header = format!("Bearer {}", token.unwrap());
+        assert!(reqwest::header::HeaderValue::from_str(&header).is_ok());
+        assert!(reqwest::header::HeaderValue::from_str("Bearer s3cret\n").is_err());
+        assert_eq!(secret_token(&secret(b" \n")), None);
+        assert_eq!(secret_token(&secret(b"two words")), None);
+        assert_eq!(secret_token(&secret(&[0xff, 0xfe])), None);
+        assert_eq!(secret_token(&Secret::default()), None);
     }
 }

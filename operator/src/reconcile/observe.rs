@@ -121,13 +121,15 @@ pub async fn current_replicas(client: &Client, ns: &str, name: &str) -> Result<O
 }
 
 /// The fleet's ReplicaSets and, while its Deployment has fewer ready
-/// replicas than it asks for, its pods: what [`crate::status::workload_failure`]
-/// reads a refusal or an image pull error from.
+/// replicas than it asks for or a rollout is under way, its pods: what
+/// [`crate::status::workload_failure`] reads a refusal or an image pull
+/// error from, and [`crate::rollout::observe`] the rollout.
 #[derive(Clone, Debug, Default)]
 pub struct Workload {
     /// ReplicaSets labelled with the fleet (the Deployment's, old and new).
     pub replica_sets: Vec<ReplicaSet>,
-    /// The fleet's pods; empty while every replica is ready.
+    /// The fleet's pods; empty while every replica is ready and one
+    /// ReplicaSet holds them all.
     pub pods: Vec<Pod>,
 }
 
@@ -156,7 +158,12 @@ pub async fn workload(
         .as_ref()
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
-    let pods = if ready < wanted {
+    let rolling = replica_sets
+        .iter()
+        .filter(|rs| rs.status.as_ref().is_some_and(|s| s.replicas > 0))
+        .count()
+        > 1;
+    let pods = if ready < wanted || rolling {
         Api::<Pod>::namespaced(client.clone(), ns)
             .list(&by_fleet)
             .await

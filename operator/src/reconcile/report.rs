@@ -57,6 +57,7 @@ pub async fn report(
             looped,
             deployment,
             failure,
+            rollout,
         } => {
             let st = deployment.status.clone().unwrap_or_default();
             let shards = Shards {
@@ -71,6 +72,7 @@ pub async fn report(
                     plan,
                     shards,
                     failure,
+                    rollout,
                 },
                 Some(looped),
                 None,

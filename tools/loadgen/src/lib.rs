@@ -210,6 +210,22 @@ pub struct Report {
     pub error_kinds: BTreeMap<String, u64>,
     /// Connections the server closed (EOF, reset or WebSocket close).
     pub closed_by_server: u64,
+    /// [`Report::closed_by_server`] by the Unix second (UTC wall clock) the
+    /// client saw each close in: the fleet-wide close rate, second by
+    /// second, as the clients felt it (the rollout e2e test holds it to the
+    /// reconnect budget). Keys are the seconds in decimal (strings: the
+    /// children's NDJSON events, an internally tagged enum, cannot carry
+    /// integer map keys through serde); seconds without a close are absent.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub closes_by_second: BTreeMap<String, u64>,
+    /// Most server closes one client saw over the run (a client is one
+    /// connection slot with all its reconnects): 1 when a rollout moved
+    /// each client once at most.
+    #[serde(default)]
+    pub most_closes_per_client: u64,
+    /// Clients the server closed more than once.
+    #[serde(default)]
+    pub clients_closed_twice: u64,
     /// WebSocket close frames received, by status code.
     pub goodbyes: BTreeMap<String, u64>,
     /// Reconnects started.
@@ -292,6 +308,11 @@ impl Report {
             *self.error_kinds.entry(k.clone()).or_default() += v;
         }
         self.closed_by_server += o.closed_by_server;
+        for (k, v) in &o.closes_by_second {
+            *self.closes_by_second.entry(k.clone()).or_default() += v;
+        }
+        self.most_closes_per_client = self.most_closes_per_client.max(o.most_closes_per_client);
+        self.clients_closed_twice += o.clients_closed_twice;
         for (k, v) in &o.goodbyes {
             *self.goodbyes.entry(k.clone()).or_default() += v;
         }
@@ -330,6 +351,8 @@ struct Client {
     got: usize,
     attempts: u32,
     upgrade: Vec<u8>,
+    /// Times the server closed this client.
+    closes: u64,
 }
 
 /// One process's event loop.
@@ -502,6 +525,23 @@ impl Gen {
         })
     }
 
+    /// Counts a close of client `i` by the server: in the totals, in its
+    /// second and against the client.
+    fn closed_by_server(&mut self, i: usize) {
+        let r = &mut self.report;
+        r.closed_by_server += 1;
+        let second = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        *r.closes_by_second.entry(second.to_string()).or_default() += 1;
+        let c = &mut self.clients[i];
+        c.closes += 1;
+        r.most_closes_per_client = r.most_closes_per_client.max(c.closes);
+        if c.closes == 2 {
+            r.clients_closed_twice += 1;
+        }
+    }
+
     fn fail(&mut self, i: usize, kind: &'static str, counts_as_error: bool) {
         let c = &mut self.clients[i];
         if let Some(mut s) = c.stream.take() {
@@ -550,6 +590,7 @@ impl Gen {
                 got: 0,
                 attempts: 0,
                 upgrade: Vec::new(),
+                closes: 0,
             });
         }
         let c = &mut self.clients[i];
@@ -627,7 +668,7 @@ impl Gen {
                 Ok(0) => {
                     let upgrading = c.st == St::Upgrading;
                     if !upgrading {
-                        self.report.closed_by_server += 1;
+                        self.closed_by_server(i);
                     }
                     return self.fail(i, "upgrade", upgrading);
                 }
@@ -637,7 +678,7 @@ impl Gen {
                 Err(e) => {
                     let upgrading = c.st == St::Upgrading;
                     if !upgrading {
-                        self.report.closed_by_server += 1;
+                        self.closed_by_server(i);
                     }
                     return self.fail(i, error_kind(&e), upgrading);
                 }
@@ -684,7 +725,7 @@ impl Gen {
                 "none".into()
             };
             *self.report.goodbyes.entry(code).or_default() += 1;
-            self.report.closed_by_server += 1;
+            self.closed_by_server(i);
             self.fail(i, "goodbye", false);
             return true;
         }
@@ -731,7 +772,7 @@ impl Gen {
             c.ping_at = Some(Instant::now());
             c.got = 0;
             if s.write_all(&bytes).is_err() {
-                self.report.closed_by_server += 1;
+                self.closed_by_server(i);
                 self.fail(i, "reset", false);
                 continue;
             }
@@ -1093,6 +1134,32 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn children_closes_merge_by_second_and_the_worst_client_wins() {
+        let mut a = super::Report {
+            closed_by_server: 3,
+            closes_by_second: [("100".into(), 2), ("101".into(), 1)].into(),
+            most_closes_per_client: 1,
+            ..Default::default()
+        };
+        let b = super::Report {
+            closed_by_server: 4,
+            closes_by_second: [("101".into(), 2), ("105".into(), 2)].into(),
+            most_closes_per_client: 2,
+            clients_closed_twice: 1,
+            ..Default::default()
+        };
+        a.absorb(&b);
+        assert_eq!(a.closed_by_server, 7);
+        let by_second: Vec<(&str, u64)> = a
+            .closes_by_second
+            .iter()
+            .map(|(k, v)| (k.as_str(), *v))
+            .collect();
+        assert_eq!(by_second, [("100", 2), ("101", 3), ("105", 2)]);
+        assert_eq!((a.most_closes_per_client, a.clients_closed_twice), (2, 1));
+    }
+
     #[test]
     fn targets_files_parse_and_are_picked_at_random() {
         let list = super::parse_targets("# shards\n127.1.1.2:7000\n\n 127.1.2.3:7000 \n").unwrap();

@@ -122,4 +122,13 @@ fn a_close_right_behind_the_upgrade_is_a_counted_goodbye() {
     assert_eq!(r["connectErrors"], 0, "{r}");
     assert_eq!(r["closedByServer"], 5, "{r}");
     assert_eq!(r["goodbyes"]["1001"], 5, "{r}");
+    let by_second: u64 = r["closesBySecond"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(by_second, 5, "{r}");
+    assert_eq!(r["mostClosesPerClient"], 1, "{r}");
+    assert_eq!(r["clientsClosedTwice"], 0, "{r}");
 }
