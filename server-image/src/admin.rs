@@ -733,7 +733,11 @@ fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
     let encode = |f| {
         metrics.refresh_system();
         if let Some(o) = shared.order() {
-            let left = o.count.saturating_sub(o.taken()).min(shared.live());
+            let left = if o.over(std::time::Instant::now()) {
+                0
+            } else {
+                o.count.saturating_sub(o.taken()).min(shared.live())
+            };
             metrics
                 .close_pending
                 .set(i64::try_from(left).unwrap_or(i64::MAX));
@@ -763,6 +767,9 @@ fn act(state: &AdminState, action: Action) -> String {
                     shared.live()
                 );
             }
+            // Bounded by what is live as the order arrives: a client that
+            // connects later is never one of its victims (issue 21).
+            let count = count.min(shared.live());
             shared.set_order(CloseOrder::new(CloseReason::Shed, count, rate));
             format!(
                 "{{\"action\":\"shed\",\"count\":{count},\"rate\":{rate},\"live\":{}}}",

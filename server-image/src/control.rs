@@ -26,22 +26,56 @@ pub struct CloseOrder {
     pub rate: f64,
     start: Instant,
     taken: AtomicU64,
+    /// When a shed order lapses with closes still unclaimed (the
+    /// connections it counted closed by themselves, or were in their
+    /// handshake, which a shed never cuts): `None` for a drain, which runs
+    /// until the last connection.
+    lapses: Option<Instant>,
 }
 
+/// Seconds a shed order outlives the time its count takes at its rate,
+/// before it lapses unfinished. Chosen: a worker claims its share within
+/// one event-loop turn, so any close still unclaimed after this has no
+/// connection left to take.
+pub const SHED_LAPSE_SECONDS: f64 = 5.0;
+
 impl CloseOrder {
-    /// An order starting now.
+    /// An order starting now. A shed ([`CloseReason::Shed`]) lapses
+    /// [`SHED_LAPSE_SECONDS`] after its count would have been closed at
+    /// its rate.
     pub fn new(reason: CloseReason, count: u64, rate: f64) -> Self {
+        let rate = if rate.is_finite() && rate > 0.0 {
+            rate
+        } else {
+            0.0
+        };
+        let start = Instant::now();
+        let lapses = (reason == CloseReason::Shed).then(|| {
+            let closing = if rate > 0.0 { count as f64 / rate } else { 0.0 };
+            start + std::time::Duration::from_secs_f64((closing + SHED_LAPSE_SECONDS).min(1e9))
+        });
         CloseOrder {
             reason,
             count,
-            rate: if rate.is_finite() && rate > 0.0 {
-                rate
-            } else {
-                0.0
-            },
-            start: Instant::now(),
+            rate,
+            start,
             taken: AtomicU64::new(0),
+            lapses,
         }
+    }
+
+    /// Whether the order is over at `now`: every close claimed, or a shed
+    /// past its lapse time.
+    pub fn over(&self, now: Instant) -> bool {
+        self.done() || self.lapses.is_some_and(|t| now >= t)
+    }
+
+    /// Whether a connection in `phase` may be closed by this order: a shed
+    /// never cuts a connection in its WebSocket handshake (it was not one
+    /// the order counted on, and its client would get no close code); a
+    /// drain closes every connection.
+    pub fn takes(&self, phase: crate::conn::Phase) -> bool {
+        self.reason != CloseReason::Shed || phase != crate::conn::Phase::Handshake
     }
 
     /// Closes allowed by `now` in total: one at once, then `rate` per
@@ -261,5 +295,22 @@ mod tests {
         assert_eq!(all.claim(5000, all.start), 5000);
         assert!(!all.done());
         assert_eq!(CloseOrder::new(CloseReason::Shed, 3, f64::NAN).rate, 0.0);
+    }
+
+    /// Issue 21: a shed that cannot find its count lapses after its time
+    /// at its rate plus the lapse; a drain never does. A shed spares
+    /// connections in their handshake; a drain takes them.
+    #[test]
+    fn a_shed_lapses_and_spares_handshakes_a_drain_does_neither() {
+        use crate::conn::Phase;
+        let shed = CloseOrder::new(CloseReason::Shed, 20, 10.0);
+        let t0 = shed.start;
+        assert!(!shed.over(t0 + Duration::from_secs(6)));
+        assert!(shed.over(t0 + Duration::from_secs_f64(2.0 + SHED_LAPSE_SECONDS)));
+        assert!(!shed.takes(Phase::Handshake));
+        assert!(shed.takes(Phase::Open));
+        let drain = CloseOrder::new(CloseReason::Shutdown, u64::MAX, 10.0);
+        assert!(!drain.over(drain.start + Duration::from_secs(1_000_000)));
+        assert!(drain.takes(Phase::Handshake));
     }
 }

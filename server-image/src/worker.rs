@@ -495,7 +495,7 @@ impl Worker {
         let Some(order) = self.order.clone() else {
             return;
         };
-        if order.done() {
+        if order.over(Instant::now()) {
             self.order = None;
             return;
         }
@@ -509,7 +509,10 @@ impl Worker {
             if self.cursor >= cap {
                 self.cursor = 0;
             }
-            if conns.contains(self.cursor) {
+            if conns
+                .get(self.cursor)
+                .is_some_and(|c| order.takes(c.phase()))
+            {
                 self.doomed.push((self.cursor, order.reason));
                 left -= 1;
             }

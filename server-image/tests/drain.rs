@@ -186,3 +186,38 @@ fn loadgen_reconnects_what_a_shed_closes() {
     );
     assert_eq!(sum(&m, "c10m_connections_accepted_total"), 400.0);
 }
+
+/// Issue 21: a shed order for more connections than are live closes what
+/// was live when it arrived, ends (`c10m_close_pending` 0), and never cuts
+/// a client that arrives afterwards, whether it came at once (`rate=0`) or
+/// at a rate slower than the arrivals.
+#[test]
+fn a_shed_order_for_more_than_is_live_ends_and_spares_later_clients() {
+    let server = ws_server(2, &[]);
+    for order in ["/shed?count=20&rate=0", "/shed?count=30&rate=10"] {
+        let mut first: Vec<TcpStream> = (0..10).map(|_| ws_connect(&server)).collect();
+        server.wait_metrics("10 live", |m| sum(m, "c10m_connections") == 10.0);
+        let (status, body) = server.post(order, Some(TOKEN));
+        assert_eq!(status, 202, "{body}");
+        assert!(body.contains("\"count\":10"), "{order}: {body}");
+        let endings = watch_endings(&mut first, 10, Duration::from_secs(10));
+        assert_eq!(endings.iter().flatten().count(), 10, "{order}");
+        for e in endings.iter().flatten() {
+            assert_eq!(e.bytes, GOODBYE_1001, "{order}: close 1001 then EOF");
+        }
+        server.wait_metrics("the order over", |m| {
+            value(m, "c10m_close_pending") == 0.0 && sum(m, "c10m_connections") == 0.0
+        });
+        // Later clients upgrade, echo and stay, for longer than the order
+        // would have taken at its rate.
+        let mut later: Vec<TcpStream> = (0..10).map(|_| ws_connect(&server)).collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        for c in &mut later {
+            ws_echo(c, b"still here");
+        }
+        let m = server.metrics();
+        assert_eq!(sum(&m, "c10m_connections"), 10.0, "{order}");
+        drop(later);
+        server.wait_metrics("none live", |m| sum(m, "c10m_connections") == 0.0);
+    }
+}
