@@ -25,6 +25,14 @@ pub const PAUSE_ANNOTATION: &str = "c10m.dev/autoscaling-paused";
 /// first on scale-in (lower cost goes first; Kubernetes ≥ 1.22).
 pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
+/// Label the Deployment controller puts on a ReplicaSet and its pods: the
+/// hash of their pod template (one value per revision).
+pub const POD_TEMPLATE_HASH: &str = "pod-template-hash";
+
+/// Annotation the Deployment controller puts on each ReplicaSet: its
+/// revision, counting up from 1 with each new template.
+pub const REVISION_ANNOTATION: &str = "deployment.kubernetes.io/revision";
+
 /// Pod annotation the operator sets once it has cordoned the pod's shard
 /// (`POST /cordon` answered), and removes once it has uncordoned it: what
 /// a rollout has done survives a restart or a change of leader.

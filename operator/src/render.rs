@@ -26,7 +26,8 @@ use crate::api::{
     BackendModel, ConnectionFleet, ConnectionFleetSpec, FailureDomain, Plan, SysctlMode,
 };
 use crate::names::{
-    CONNECTION_PORT_NAME, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels, secret_name, selector,
+    CONNECTION_PORT_NAME, POD_TEMPLATE_HASH, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels,
+    secret_name, selector,
 };
 use crate::plan;
 use crate::policy::Policy;
@@ -427,7 +428,7 @@ fn spread_over_nodes(name: &str, plan: &Plan) -> TopologySpreadConstraint {
             match_labels: Some(selector(name)),
             ..Default::default()
         }),
-        match_label_keys: Some(vec!["pod-template-hash".into()]),
+        match_label_keys: Some(vec![POD_TEMPLATE_HASH.into()]),
         ..Default::default()
     }
 }

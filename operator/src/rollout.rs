@@ -19,9 +19,8 @@
 //! first drain after `kubectl rollout resume` race their cordon back onto
 //! old shards, and move them twice). A cordoned shard that runs the
 //! current template again (a rollback, `kubectl rollout undo`) is
-//! uncordoned. Each
-//! cordon is recorded on the pod ([`CORDONED_ANNOTATION`]), so an order is
-//! sent once and a new leader knows what the old one did.
+//! uncordoned. Each cordon is recorded on the pod ([`CORDONED_ANNOTATION`]),
+//! so an order is sent once and a new leader knows what the old one did.
 //!
 //! [`observe`] reads the rollout from the Deployment, its ReplicaSets and
 //! the fleet's pods; [`Rollout::orders`] says which shards to cordon and
@@ -31,15 +30,8 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::api::status::RolloutStatus;
-use crate::names::CORDONED_ANNOTATION;
-
-/// Label the Deployment controller puts on a ReplicaSet and its pods: the
-/// hash of their pod template.
-pub const POD_TEMPLATE_HASH: &str = "pod-template-hash";
-
-/// Annotation the Deployment controller puts on each ReplicaSet: its
-/// revision, counting up from 1 with each new template.
-pub const REVISION_ANNOTATION: &str = "deployment.kubernetes.io/revision";
+use crate::autoscale::observe::pod_ready;
+use crate::names::{CORDONED_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION};
 
 /// One of the fleet's shards as a rollout sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,17 +134,21 @@ pub fn current_revision(replica_sets: &[ReplicaSet]) -> Option<(i64, String)> {
     replica_sets
         .iter()
         .filter_map(|rs| {
-            let revision = rs
-                .metadata
-                .annotations
-                .as_ref()?
-                .get(REVISION_ANNOTATION)?
-                .parse::<i64>()
-                .ok()?;
             let hash = rs.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?;
-            Some((revision, hash.clone()))
+            Some((revision(rs)?, hash.clone()))
         })
         .max_by_key(|(revision, _)| *revision)
+}
+
+/// The revision of `rs` ([`REVISION_ANNOTATION`]), `None` without a
+/// readable one.
+pub fn revision(rs: &ReplicaSet) -> Option<i64> {
+    rs.metadata
+        .annotations
+        .as_ref()?
+        .get(REVISION_ANNOTATION)?
+        .parse()
+        .ok()
 }
 
 /// The rollout of a fleet whose shards close at `drain_rate`
@@ -213,9 +209,7 @@ fn shard(pod: &Pod, current_hash: &str) -> Option<Shard> {
             .as_ref()
             .is_some_and(|a| a.contains_key(CORDONED_ANNOTATION)),
         terminating: pod.metadata.deletion_timestamp.is_some(),
-        ready: status
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
+        ready: pod_ready(pod),
     })
 }
 

@@ -128,14 +128,7 @@ pub fn workload_failure(
     pods: &[Pod],
 ) -> Option<WorkloadFailure> {
     let uid = deployment.metadata.uid.as_deref();
-    let revision = |rs: &ReplicaSet| {
-        rs.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get("deployment.kubernetes.io/revision"))
-            .and_then(|r| r.parse::<i64>().ok())
-            .unwrap_or(0)
-    };
+    let revision = |rs: &ReplicaSet| crate::rollout::revision(rs).unwrap_or(0);
     let mut owned: Vec<&ReplicaSet> = replica_sets
         .iter()
         .filter(|rs| {

@@ -186,6 +186,14 @@ pub fn own_replica_sets<'a>(
         .collect()
 }
 
+/// Whether `pod`'s `Ready` condition is True (being deleted or not).
+pub fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
 impl From<Pod> for ShardPod {
     /// Ready: the pod's `Ready` condition is True; running: its phase is
     /// `Running`; active: its phase is neither `Succeeded` nor `Failed`;
@@ -194,9 +202,7 @@ impl From<Pod> for ShardPod {
         let alive = p.metadata.deletion_timestamp.is_none();
         let status = p.status.as_ref();
         let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-        let ready = status
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let ready = pod_ready(&p);
         let (running, active) = (
             alive && phase == "Running",
             alive && phase != "Succeeded" && phase != "Failed",
