@@ -160,6 +160,43 @@ spec:
     )
 }
 
+/// One of a fleet's pods as the suites see it: only pods with an IP.
+#[derive(Clone, Debug)]
+pub struct ShardPod {
+    /// Pod name.
+    pub name: String,
+    /// Pod IP.
+    pub ip: String,
+    /// Its `Ready` condition is True and it is not being deleted.
+    pub ready: bool,
+    /// It is being deleted (`deletionTimestamp` set).
+    pub terminating: bool,
+    /// Its `pod-template-hash`: which ReplicaSet (revision) it runs.
+    pub hash: String,
+}
+
+/// The pods of fleet `name` in `ns` that have an IP, as [`ShardPod`]s.
+pub fn shard_pods(ns: &str, name: &str) -> Vec<ShardPod> {
+    fleet_pods(ns, name)
+        .iter()
+        .filter_map(|p| {
+            let terminating = !p["metadata"]["deletionTimestamp"].is_null();
+            let ready =
+                !terminating && condition(p, "Ready").is_some_and(|c| c["status"] == "True");
+            Some(ShardPod {
+                name: p["metadata"]["name"].as_str()?.to_string(),
+                ip: p["status"]["podIP"].as_str()?.to_string(),
+                ready,
+                terminating,
+                hash: p["metadata"]["labels"]["pod-template-hash"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            })
+        })
+        .collect()
+}
+
 /// Replaces the load generator's `--targets-file` at `path` with `targets`
 /// (`ip:port` lines) at once (write, then rename), so c10m-loadgen never
 /// reads half a list. An empty list leaves the file as it was.

@@ -93,7 +93,7 @@ impl Scenario {
         );
         std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
-                let ips: Vec<String> = pods(&ns_name, &fleet_name)
+                let ips: Vec<String> = shard_pods(&ns_name, &fleet_name)
                     .into_iter()
                     .filter(|p| p.ready)
                     .map(|p| format!("{}:7000", p.ip))
@@ -171,31 +171,6 @@ impl Drop for Scenario {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
-}
-
-#[derive(Debug)]
-struct ShardPod {
-    name: String,
-    ip: String,
-    ready: bool,
-}
-
-fn pods(ns: &str, fleet: &str) -> Vec<ShardPod> {
-    fleet_pods(ns, fleet)
-        .iter()
-        .filter_map(|p| {
-            let ready = p["metadata"]["deletionTimestamp"].is_null()
-                && p["status"]["conditions"]
-                    .as_array()?
-                    .iter()
-                    .any(|c| c["type"] == "Ready" && c["status"] == "True");
-            Some(ShardPod {
-                name: p["metadata"]["name"].as_str()?.to_string(),
-                ip: p["status"]["podIP"].as_str()?.to_string(),
-                ready,
-            })
-        })
-        .collect()
 }
 
 /// Starts `c10m-loadgen`: WebSocket, reconnect-on-close, random target
@@ -453,10 +428,15 @@ fn d_scale_in_removes_the_least_loaded_shards_with_graceful_closes() {
     });
     let kept = desired(&f) as usize;
     wait_for("removed shards gone", MINUTE, || {
-        (pods(s.ns(), "scalein").iter().filter(|p| p.ready).count() == kept).then_some(())
+        (shard_pods(s.ns(), "scalein")
+            .iter()
+            .filter(|p| p.ready)
+            .count()
+            == kept)
+            .then_some(())
     });
     // The shards removed are the least loaded at the time of the decision.
-    let ready = pods(s.ns(), "scalein");
+    let ready = shard_pods(s.ns(), "scalein");
     let gone: Vec<String> = before
         .keys()
         .filter(|p| !ready.iter().any(|x| &x.name == *p && x.ready))
@@ -514,7 +494,7 @@ fn e_kernel_drift_names_the_shard_running_below_its_planned_nofile() {
     // One shard's server restarts with RLIMIT_NOFILE below the plan.
     let lowered = (planned / 2).max(256);
     assert!(lowered < planned, "plan.nofile {planned}");
-    let victim = pods(s.ns(), "drift")[0].name.clone();
+    let victim = shard_pods(s.ns(), "drift")[0].name.clone();
     let annotated = Instant::now();
     kubectl(&[
         "annotate",

@@ -61,34 +61,11 @@ spec:
     )
 }
 
-/// One of the fleet's pods as the test sees it.
-#[derive(Clone, Debug)]
-struct ShardPod {
-    name: String,
-    ip: String,
-    ready: bool,
-    /// Its `pod-template-hash`: which ReplicaSet (revision) it runs.
-    hash: String,
-}
-
+/// The fleet's pods with an IP, not being deleted.
 fn pods(ns: &str) -> Vec<ShardPod> {
-    fleet_pods(ns, FLEET)
-        .iter()
-        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
-        .filter_map(|p| {
-            let ready = p["status"]["conditions"]
-                .as_array()?
-                .iter()
-                .any(|c| c["type"] == "Ready" && c["status"] == "True");
-            Some(ShardPod {
-                name: p["metadata"]["name"].as_str()?.to_string(),
-                ip: p["status"]["podIP"].as_str()?.to_string(),
-                ready,
-                hash: p["metadata"]["labels"]["pod-template-hash"]
-                    .as_str()?
-                    .to_string(),
-            })
-        })
+    shard_pods(ns, FLEET)
+        .into_iter()
+        .filter(|p| !p.terminating)
         .collect()
 }
 
