@@ -23,6 +23,7 @@ help:
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
 	@echo "make measure-server    c10m-server memory per idle connection, one process (JSON)"
 	@echo "make bench-server      c10m-server vs tokio-naive vs floor probe, 150k connections each (target/bench/server.json)"
+	@echo "make bench-rollout     8 shards, 16,000 clients rolled within a 400/s budget on the local plane (target/bench/rollout.json)"
 	@echo "make bench-fidelity    one planned shard filled to its cap in its memory cgroup, v1 and socket-accounted (root; target/bench/fidelity.json)"
 	@echo "make test-server-scale 40k connections over 3 servers; 100k abusive connections"
 	@echo "make fuzz              cargo-fuzz each parser for FUZZ_SECONDS each (default 20; nightly + cargo-fuzz)"
@@ -76,7 +77,7 @@ measure-server:
 	python3 server-image/bench/idle_memory.py target/release/c10m-server 19000 | tee target/bench/idle-memory.json
 
 # --- c10m-server benchmark, scale test and fuzzing (server-image/README.md) ---
-.PHONY: bench-server bench-fidelity test-server-scale fuzz
+.PHONY: bench-server bench-fidelity test-server-scale fuzz bench-rollout
 
 bench-server:
 	$(CARGO) build --release -p c10m-server -p c10m-loadgen --bins --examples
@@ -90,6 +91,24 @@ bench-fidelity:
 	$(CARGO) build --release -p c10m-server -p c10m-operator
 	@mkdir -p target/bench
 	python3 server-image/bench/fidelity.py --out target/bench/fidelity.json
+
+# Issue 22's bigger roll: 8 shards, 16,000 real clients, a 400/s budget, on
+# the local plane (started if it is not running; left running: make down).
+# At most 15 min, stopped early if MemAvailable falls below 4 GiB; the
+# cleanup stops the loadgen, the pod runner and the bench's namespaces.
+BENCH_ROLLOUT_CLEANUP = pkill -TERM -f '[c]10m-loadgen --targets-file=.*/rollout-' ; \
+  bash tests/cluster/pod-runner.sh stop >/dev/null 2>&1 ; \
+  . tests/cluster/env.sh && KUBECONFIG=$$KUBECONFIG_PATH kubectl get ns -o name \
+  | grep '^namespace/rollout-' | xargs -r env KUBECONFIG=$$KUBECONFIG_PATH kubectl delete --wait=false
+bench-rollout: deps build
+	bash tests/cluster/up.sh
+	@mkdir -p target/bench
+	. tests/cluster/env.sh && export C10M_KUBECONFIG=$$KUBECONFIG_PATH \
+	  C10M_BIN_DIR=$$(bash tests/cluster/build.sh | tail -n1) \
+	  WATCHDOG_CLEANUP="$(BENCH_ROLLOUT_CLEANUP)" && \
+	  bash tools/watchdog.sh 900 4096 -- $(CARGO) test -p c10m-e2e --test rollout -- \
+	    --ignored bench_rollout --nocapture --test-threads 1
+	@cat target/bench/rollout.json
 
 test-server-scale:
 	$(CARGO) build --release -p c10m-loadgen

@@ -383,28 +383,20 @@ impl Default for DrainSpec {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutSpec {
-    /// Connections per second the whole fleet may close for a rollout: the
-    /// old shards drain in steps of maxReconnectRate ÷ spec.drain.rate
-    /// shards (at least one, each at min(spec.drain.rate,
-    /// maxReconnectRate)), each step after as many updated shards are
-    /// Ready, and the old shards not yet draining are cordoned, so clients
-    /// reconnect only to updated shards and at most this fast. A step
-    /// lasts a shard's cap ÷ its drain rate + 5 s
-    /// (status.plan.rolloutStepSeconds). Unset: no budget; the Deployment
-    /// replaces one shard at a time (`maxUnavailable: 1`) and a replaced
-    /// shard drains at spec.drain.rate, but the next one does not wait for
-    /// that drain, so the fleet-wide close rate has no bound.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 10_000_000))]
+    /// Connections per second the whole fleet may close for a rollout
+    /// (default: spec.drain.rate). The old shards drain in steps of
+    /// maxReconnectRate ÷ spec.drain.rate shards (at least one, each at
+    /// min(spec.drain.rate, maxReconnectRate)); a step starts only once as
+    /// many updated shards are Ready and the previous step's shards have
+    /// closed what they held, and every old shard not yet draining is
+    /// cordoned, so clients reconnect only to updated shards and at most
+    /// this fast. Without the operator the Deployment still keeps steps a
+    /// shard's cap ÷ its drain rate + 5 s apart
+    /// (status.plan.rolloutStepSeconds).
     pub max_reconnect_rate: Option<i64>,
 }
 
 impl RolloutSpec {
-    /// Whether rollouts run within a budget (maxReconnectRate set).
-    pub fn budgeted(&self) -> bool {
-        self.max_reconnect_rate.is_some()
-    }
-
     /// The fleet's rollout budget, connections/s: maxReconnectRate, else
     /// `drain_rate` (spec.drain.rate: what one replaced shard closes at).
     pub fn budget(&self, drain_rate: i64) -> i64 {

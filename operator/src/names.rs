@@ -35,8 +35,15 @@ pub const REVISION_ANNOTATION: &str = "deployment.kubernetes.io/revision";
 
 /// Pod annotation the operator sets once it has cordoned the pod's shard
 /// (`POST /cordon` answered), and removes once it has uncordoned it: what
-/// a rollout has done survives a restart or a change of leader.
+/// a rollout has done survives a restart or a change of leader. Its value
+/// is the connections the shard reported holding as it answered (decimal;
+/// `unknown` when it did not say).
 pub const CORDONED_ANNOTATION: &str = "c10m.dev/cordoned";
+
+/// Field manager of the one Deployment field a rollout owns,
+/// `spec.minReadySeconds`: the gate between its steps
+/// ([`crate::rollout::Rollout::pace`]). The rendered objects never set it.
+pub const ROLLOUT_FIELD_MANAGER: &str = "c10m-operator-rollout";
 
 /// Node label: the hard RLIMIT_NOFILE, in descriptors, that containers on
 /// the node inherit from its container runtime (containerd passes its own

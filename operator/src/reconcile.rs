@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
@@ -353,7 +354,7 @@ impl From<Error> for Ended {
 
 /// One reconcile of one fleet: the pipeline, then its report.
 pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let now = Time(Timestamp::now());
     let fleet = match observe::fleet(&ctx.client, &fleet).await {
         Ok(Some(latest)) => latest,
         Ok(None) => return Ok(Action::await_change()),
@@ -397,24 +398,37 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
     };
     let failure = status::workload_failure(&deployment, &workload.replica_sets, &workload.pods); // no client required
-    let rollout = rollout::observe(
-        &deployment,
-        &workload.replica_sets,
-        &workload.pods,
-        plan.drain_rate,
-    ); // no client required
+    let rollout = rollout::observe(&deployment, &workload.replica_sets, &workload.pods); // no client required
     let port = fleet.spec.server.metrics_port;
-    let orders = rollout.orders(fleet.spec.rollout.budgeted());
+    let orders = rollout.orders();
     let done = match cordon::carry_out(&ctx.client, &ctx.http, &ns, port, &token, &orders).await {
         Ok(done) => done,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
     }; // client required
+    let pace = rollout::Pace {
+        drain_rate: plan.drain_rate,
+        surge: i64::from(plan.rollout_surge),
+        cap_step_seconds: plan.rollout_step_seconds,
+    };
+    let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
+    let min_ready = deployment.spec.as_ref().and_then(|s| s.min_ready_seconds);
+    let (rollout, gate) = rollout
+        .after(&done)
+        .pace(previous, &pace, Timestamp::now(), min_ready); // no client required
+    let deployment = if min_ready == Some(gate) {
+        deployment
+    } else {
+        match apply::min_ready_seconds(&ctx.client, &ns, &name, gate).await {
+            Ok(deployment) => deployment,
+            Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+        } // client required
+    };
     Ok(Ended::Applied {
         plan,
         looped,
         deployment,
         failure,
-        rollout: rollout.after(&done).status,
+        rollout: rollout.status,
     })
 }
 
@@ -491,7 +505,7 @@ async fn metrics_loop(
     let key = ObjectRef::from_obj(fleet);
     let ns = fleet.namespace().unwrap_or_default();
     let mut memory = ctx.loops.lock().unwrap().remove(&key).unwrap_or_default();
-    let wall = Time(k8s_openapi::jiff::Timestamp::now());
+    let wall = Time(Timestamp::now());
     let looped = autoscale::sync(
         autoscale::Inputs {
             fleet,

@@ -307,37 +307,23 @@ pub fn render(
         admin::METRICS_PATH.to_string(),
     );
 
+    // A rollout within the fleet's reconnect budget (ADR 0011):
+    // `rolloutSurge` updated shards come up before as many old ones are
+    // removed; none is removed first. The surge needs room on the nodes:
+    // without it the rollout waits, and the old shards keep serving.
+    // `minReadySeconds`, the gate between steps, is not rendered: the
+    // rollout owns it under its own field manager ([`crate::rollout::Rollout::pace`],
+    // `rolloutStepSeconds` outside a rollout). The progress deadline must
+    // exceed it (API validation, and the gate never passes the step); a
+    // step makes progress at least every step, so the deadline marks a
+    // rollout stuck only when a step takes 10 minutes longer than planned.
     let step_seconds = i32::try_from(plan.rollout_step_seconds).unwrap_or(i32::MAX / 2);
-    let (rolling, min_ready_seconds, progress_deadline_seconds) = if spec.rollout.budgeted() {
-        // A rollout within spec.rollout.maxReconnectRate (ADR 0011):
-        // `rolloutSurge` updated shards are Ready, and have been for
-        // `rolloutStepSeconds` (the time an old shard takes to drain), before
-        // as many old ones are removed; none is removed first. The surge
-        // needs room on the nodes: without it the rollout waits, and the old
-        // shards keep serving. The progress deadline must exceed
-        // minReadySeconds (API validation); a step makes progress at least
-        // every step, so it marks a rollout stuck only when a step takes 10
-        // minutes longer than planned.
-        (
-            RollingUpdateDeployment {
-                max_surge: Some(IntOrString::Int(plan.rollout_surge.max(1))),
-                max_unavailable: Some(IntOrString::Int(0)),
-            },
-            Some(step_seconds),
-            Some(step_seconds.saturating_add(PROGRESS_DEADLINE_SLACK_SECONDS)),
-        )
-    } else {
-        // No budget: one shard at a time and no surge (a surge pod may find
-        // no free CPUs on nodes the plan fills).
-        (
-            RollingUpdateDeployment {
-                max_surge: Some(IntOrString::Int(0)),
-                max_unavailable: Some(IntOrString::Int(1)),
-            },
-            None,
-            None,
-        )
+    let rolling = RollingUpdateDeployment {
+        max_surge: Some(IntOrString::Int(plan.rollout_surge.max(1))),
+        max_unavailable: Some(IntOrString::Int(0)),
     };
+    let progress_deadline_seconds =
+        Some(step_seconds.saturating_add(PROGRESS_DEADLINE_SLACK_SECONDS));
     let deployment = Deployment {
         metadata: meta.clone(),
         spec: Some(DeploymentSpec {
@@ -350,7 +336,6 @@ pub fn render(
                 type_: Some("RollingUpdate".into()),
                 rolling_update: Some(rolling),
             }),
-            min_ready_seconds,
             progress_deadline_seconds,
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
@@ -1356,15 +1341,13 @@ mod tests {
 
     #[test]
     fn replicas_are_the_given_count_rolled_in_budgeted_steps() {
-        // No budget: the Deployment's own pacing, one shard at a time.
+        // The budget defaults to the drain rate: one shard a step.
         let d = case(json!({"connections": 1_000_000}));
         assert_eq!((d.plan.drain_rate, d.plan.rollout_surge), (2000, 1));
-        let unbudgeted = d.out.deployment.spec.unwrap();
-        let rolling = unbudgeted.strategy.unwrap().rolling_update.unwrap();
-        assert_eq!(rolling.max_surge, Some(IntOrString::Int(0)));
-        assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(1)));
-        assert_eq!(unbudgeted.min_ready_seconds, None);
-        assert_eq!(unbudgeted.progress_deadline_seconds, None);
+        let rolling = d.out.deployment.spec.unwrap().strategy.unwrap();
+        let rolling = rolling.rolling_update.unwrap();
+        assert_eq!(rolling.max_surge, Some(IntOrString::Int(1)));
+        assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(0)));
         let c = case(json!({"connections": 1_000_000, "rollout": {"maxReconnectRate": 5000}}));
         let out = render(
             &c.fleet,
@@ -1377,13 +1360,14 @@ mod tests {
         assert_eq!(spec.replicas, Some(c.plan.shards + 3));
         let rolling = spec.strategy.unwrap().rolling_update.unwrap();
         // 5000/s of budget over 2000/s per shard: two shards a step, none
-        // removed before its replacement has been Ready for a step.
+        // removed before its replacement is up.
         assert_eq!((c.plan.drain_rate, c.plan.rollout_surge), (2000, 2));
         assert_eq!(rolling.max_surge, Some(IntOrString::Int(2)));
         assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(0)));
         let step = c.plan.drain_seconds + DRAIN_ACCEPT_SECONDS;
         assert_eq!(c.plan.rollout_step_seconds, step);
-        assert_eq!(spec.min_ready_seconds, Some(step as i32));
+        // The gate between steps is the rollout's to set, not the render's.
+        assert_eq!(spec.min_ready_seconds, None);
         assert_eq!(spec.progress_deadline_seconds, Some(step as i32 + 600));
         // A budget below the shard rate: one shard a step, at the budget.
         let slow = case(json!({"connections": 1_000_000, "rollout": {"maxReconnectRate": 50}}));

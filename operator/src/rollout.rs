@@ -1,37 +1,60 @@
 //! A rollout within the fleet's reconnect budget (pure; ADR 0011).
 //!
 //! The Deployment controller steps the rollout: the rendered strategy
-//! (`maxSurge` = plan.rolloutSurge, `maxUnavailable: 0`, `minReadySeconds`
-//! = plan.rolloutStepSeconds, see [`crate::render`]) removes old shards
-//! only when as many updated ones have been Ready for a step, and a step
-//! lasts as long as an old shard takes to drain its cap at plan.drainRate.
-//! So at most `rolloutSurge` old shards drain at once, closing at most
-//! spec.rollout.maxReconnectRate connections/s together, with or without the
-//! operator.
+//! (`maxSurge` = plan.rolloutSurge, `maxUnavailable: 0`, see
+//! [`crate::render`]) removes old shards only as updated ones become
+//! available, and an updated shard counts as available `minReadySeconds`
+//! after it is Ready. The operator owns that one field and uses it as the
+//! gate between steps ([`Rollout::pace`]): an old shard closes what it
+//! holds at plan.drainRate once removed, so the next step's updated shards
+//! become available only when the last step's shards have closed what
+//! they held when they were cordoned. So at most `rolloutSurge` old shards
+//! drain at once, closing at most spec.rollout.maxReconnectRate
+//! connections/s together, and a step lasts as long as its shards' clients
+//! take to move, not a full cap's drain. Outside a rollout the gate stays
+//! at plan.rolloutStepSeconds (a cap's drain), so a rollout that runs while
+//! no operator does (stopped, failing over) keeps the budget too, at the
+//! slower pace.
 //!
-//! What the operator adds is where the closed clients go. While a rollout
-//! is under way, every old shard not yet draining is cordoned
-//! (`POST /cordon`): its readiness drops, it leaves the Service's
-//! endpoints and keeps its connections, so the clients a drain closes can
-//! only reconnect to updated shards, and none is moved twice. A paused
-//! Deployment (`kubectl rollout pause`) starts no step; its old shards stay
-//! cordoned (uncordoning them for the pause would let the clients of the
-//! first drain after `kubectl rollout resume` race their cordon back onto
-//! old shards, and move them twice). A cordoned shard that runs the
-//! current template again (a rollback, `kubectl rollout undo`) is
-//! uncordoned. Each cordon is recorded on the pod ([`CORDONED_ANNOTATION`]),
-//! so an order is sent once and a new leader knows what the old one did.
+//! The operator also says where the closed clients go. While a rollout is
+//! under way, every old shard not yet draining is cordoned (`POST
+//! /cordon`): its readiness drops, it leaves the Service's endpoints and
+//! keeps its connections, so the clients a drain closes can only reconnect
+//! to updated shards, and none is moved twice. A paused Deployment
+//! (`kubectl rollout pause`) starts no step; its old shards stay cordoned
+//! (uncordoning them for the pause would let the clients of the first
+//! drain after `kubectl rollout resume` race their cordon back onto old
+//! shards, and move them twice). A cordoned shard that runs the current
+//! template again (a rollback, `kubectl rollout undo`) is uncordoned. Each
+//! cordon is recorded on the pod ([`CORDONED_ANNOTATION`], the connections
+//! the shard held as it answered), so an order is sent once and a new
+//! leader knows what the old one did.
 //!
 //! [`observe`] reads the rollout from the Deployment, its ReplicaSets and
 //! the fleet's pods; [`Rollout::orders`] says which shards to cordon and
-//! uncordon.
+//! uncordon; [`Rollout::pace`] carries the step bookkeeping over from the
+//! last status and sets the gate.
 
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::api::status::RolloutStatus;
 use crate::autoscale::observe::pod_ready;
 use crate::names::{CORDONED_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION};
+
+/// Milliseconds added to a step's drain (before it is rounded up to whole
+/// seconds) for clients that raced the cordon onto an old shard: the
+/// endpoint update is not instant, and the e2e test's balancer follows
+/// within 250 ms, so a shard may take a few clients more than it reported.
+pub const STEP_MARGIN_MS: i64 = 500;
+
+/// Seconds a step's shards need to close `held` connections at `rate`
+/// connections/s each, with [`STEP_MARGIN_MS`], rounded up.
+pub fn step_seconds(held: i64, rate: i64) -> i64 {
+    div_ceil(held.max(0) * 1000 / rate.max(1) + STEP_MARGIN_MS, 1000)
+}
 
 /// One of the fleet's shards as a rollout sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,21 +67,34 @@ pub struct Shard {
     pub updated: bool,
     /// The operator cordoned it ([`CORDONED_ANNOTATION`]).
     pub cordoned: bool,
+    /// Connections it held when it answered its cordon (the annotation's
+    /// value), 0 when vacant; `None` when not cordoned or not recorded.
+    pub held: Option<i64>,
+    /// Nothing listened at its admin endpoint when it was to be cordoned
+    /// ([`Orders::vacant`]).
+    pub vacant: bool,
     /// The pod is terminating (its shard drains).
     pub terminating: bool,
     /// The pod's `Ready` condition is True (it is in the Service's
     /// endpoints).
     pub ready: bool,
+    /// When its `Ready` condition last turned True (1 s resolution).
+    pub ready_since: Option<Timestamp>,
 }
 
 /// The rollout as observed: progress, and the shards orders go to.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rollout {
     /// Progress for `status.rollout`; `None` when every shard runs the
-    /// current template.
+    /// current template and none is draining (after [`Rollout::pace`]), or
+    /// without a readable revision.
     pub status: Option<RolloutStatus>,
     /// The fleet's shards (pods), when listed.
     pub shards: Vec<Shard>,
+    /// Replicas the Deployment's older ReplicaSets still want: shards of an
+    /// older template, whether or not their pods exist (pods refused by the
+    /// API never do).
+    pub old_replicas: i32,
 }
 
 /// What to tell the shards' admin endpoints.
@@ -72,25 +108,68 @@ pub struct Orders {
     /// Shards to uncordon (`POST /uncordon`): cordoned ones that run the
     /// current template (a rollback made their template current again).
     pub uncordon: Vec<Shard>,
+    /// Among the orders carried out: shards to be cordoned where nothing
+    /// listens at the admin endpoint (the connection was refused). Every
+    /// rendered shard serves its readiness probe there, so no server runs
+    /// in them and they hold no clients: a step may take them at once.
+    pub vacant: Vec<Shard>,
+}
+
+/// The plan's figures a rollout is paced by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pace {
+    /// One departing shard's close rate, connections/s (plan.drainRate).
+    pub drain_rate: i64,
+    /// Old shards removed per step (plan.rolloutSurge).
+    pub surge: i64,
+    /// Seconds a shard needs to drain its cap (plan.rolloutStepSeconds):
+    /// the gate outside a rollout, and its bound during one.
+    pub cap_step_seconds: i64,
+}
+
+/// The old shards not draining.
+fn serving_old(shards: &[Shard]) -> impl Iterator<Item = &Shard> {
+    shards.iter().filter(|s| !s.updated && !s.terminating)
 }
 
 /// Old shards not draining that are cordoned.
 fn cordoned(shards: &[Shard]) -> i32 {
-    shards
-        .iter()
-        .filter(|s| !s.updated && !s.terminating && s.cordoned)
-        .count() as i32
+    serving_old(shards).filter(|s| s.cordoned).count() as i32
+}
+
+/// `n ÷ d` rounded up, for `n ≥ 0` and `d ≥ 1`.
+fn div_ceil(n: i64, d: i64) -> i64 {
+    (n.max(0) + d.max(1) - 1) / d.max(1)
+}
+
+/// Whole seconds from `from` to `to`: rounded up, at least 0.
+fn seconds_until(from: Timestamp, to: Timestamp) -> i64 {
+    div_ceil(to.duration_since(from).as_millis() as i64, 1000)
 }
 
 impl Rollout {
+    /// Whether a rollout is under way: an old shard is still serving or
+    /// draining.
+    pub fn under_way(&self) -> bool {
+        self.status
+            .as_ref()
+            .is_some_and(|s| s.old_shards + s.draining_shards > 0)
+    }
+
     /// The rollout once `done` (the orders the shards answered) is carried
-    /// out: their cordons as they are now, and the status counting them.
+    /// out: their cordons (and what the cordoned ones held) as they are
+    /// now, and the status counting them.
     pub fn after(mut self, done: &Orders) -> Rollout {
         for s in &mut self.shards {
-            if done.cordon.iter().any(|d| d.name == s.name) {
+            if let Some(d) = done.cordon.iter().find(|d| d.name == s.name) {
                 s.cordoned = true;
+                s.held = d.held;
             } else if done.uncordon.iter().any(|d| d.name == s.name) {
                 s.cordoned = false;
+                s.held = None;
+            } else if done.vacant.iter().any(|d| d.name == s.name) {
+                s.vacant = true;
+                s.held = Some(0);
             }
         }
         if let Some(st) = &mut self.status {
@@ -100,18 +179,15 @@ impl Rollout {
     }
 
     /// The cordon and uncordon orders for this rollout. Draining shards
-    /// and shards without an IP get none. Old shards are cordoned only in
-    /// a `budgeted` rollout (spec.rollout.maxReconnectRate set): under the
-    /// Deployment's unbudgeted pacing (`maxUnavailable: 1`) a cordoned,
-    /// unready old shard counts as unavailable, and the controller would
-    /// remove it at once. Cordons left by a budget since removed are lifted.
-    pub fn orders(&self, budgeted: bool) -> Orders {
+    /// and shards without an IP get none. Cordons of shards that run the
+    /// current template again (a rollback) are lifted.
+    pub fn orders(&self) -> Orders {
         let mut orders = Orders::default();
         let landing = self
             .shards
             .iter()
             .any(|s| s.updated && s.ready && !s.terminating);
-        let running = budgeted && self.status.is_some() && landing;
+        let running = self.under_way() && landing;
         for s in self
             .shards
             .iter()
@@ -125,6 +201,108 @@ impl Rollout {
             }
         }
         orders
+    }
+
+    /// The rollout at `now`, given the status the last reconcile wrote
+    /// (`previous`), and the Deployment's `minReadySeconds` to set, the gate
+    /// between steps (`current`: what it is now).
+    ///
+    /// A step is seen when fewer old shards serve than `previous` counted:
+    /// they drain from now for `previous.stepSeconds`, until
+    /// `drainingUntil`, which the status keeps (so a new leader or a
+    /// restarted operator waits for it too, and the fleet's rollout is
+    /// complete only once it has passed). The next step's updated shards
+    /// (Ready after the last step) become available at `drainingUntil`, or
+    /// at once when nothing drains, but only once every old shard serving is
+    /// cordoned (until then the gate is the cap's step). Before they are
+    /// Ready the gate is raised, never lowered, to at least the rest of the
+    /// drain, so none of them can be available earlier. Outside a rollout
+    /// it is `pace.cap_step_seconds`, unless older ReplicaSets still want
+    /// replicas that have no pods (nothing to drain: 0). A shard without an
+    /// IP holds no clients and needs no cordon. The gate is always within
+    /// `0..=` the cap's step.
+    pub fn pace(
+        mut self,
+        previous: Option<&RolloutStatus>,
+        pace: &Pace,
+        now: Timestamp,
+        current: Option<i32>,
+    ) -> (Rollout, i32) {
+        let cap = pace.cap_step_seconds.clamp(0, i64::from(i32::MAX / 2));
+        let Some(mut st) = self.status.take() else {
+            return (self, cap as i32);
+        };
+        let stepped = previous.filter(|p| p.old_shards > st.old_shards);
+        let (last_step, until, step_shards) = match stepped {
+            Some(p) => (
+                Some(now),
+                Some(now + SignedDuration::from_secs(p.step_seconds.max(0))),
+                p.old_shards - st.old_shards,
+            ),
+            None => previous.map_or((None, None, 0), |p| {
+                let t = |t: &Option<Time>| t.as_ref().map(|t| t.0);
+                (
+                    t(&p.last_step_time),
+                    t(&p.draining_until),
+                    p.draining_shards,
+                )
+            }),
+        };
+        let until = until.filter(|u| *u > now);
+        if until.is_some() {
+            st.draining_shards = st.draining_shards.max(step_shards);
+        }
+        st.closes_per_second = i64::from(st.draining_shards) * pace.drain_rate;
+        st.last_step_time = last_step.map(Time);
+        st.draining_until = until.map(Time);
+        let old: Vec<&Shard> = serving_old(&self.shards).collect();
+        // A shard without an IP (its pod not yet placed or started) holds
+        // no clients.
+        let held = |s: &Shard| s.held.or(s.ip.is_none().then_some(0));
+        st.connections_on_old_shards = old.iter().filter_map(|s| held(s)).sum();
+        let most = old
+            .iter()
+            .map(|s| held(s))
+            .try_fold(0, |m, h| Some(m.max(h?)));
+        st.step_seconds = match most {
+            Some(h) => step_seconds(h, pace.drain_rate).min(cap),
+            None => cap,
+        };
+        let steps = div_ceil(old.len() as i64, pace.surge);
+        let same = previous.filter(|p| {
+            (p.old_shards, p.step_seconds, &p.draining_until)
+                == (st.old_shards, st.step_seconds, &st.draining_until)
+        });
+        st.estimated_completion_time = match same {
+            Some(p) => p.estimated_completion_time.clone(),
+            None => {
+                let left = SignedDuration::from_secs(steps * st.step_seconds);
+                Some(Time(until.unwrap_or(now) + left))
+            }
+        };
+        if st.old_shards + st.draining_shards == 0 {
+            // No old shard to pace: at rest, the gate is the cap's step; if
+            // older ReplicaSets still want replicas whose pods never came
+            // (refused, or not yet created), their removal closes nothing.
+            let gate = if self.old_replicas > 0 { 0 } else { cap };
+            return (self, gate as i32);
+        }
+        let gate_at = until.unwrap_or(now);
+        let next = self
+            .shards
+            .iter()
+            .filter(|s| s.updated && s.ready && !s.terminating)
+            .filter_map(|s| s.ready_since)
+            .filter(|r| last_step.is_none_or(|l| *r > l))
+            .min();
+        let all_cordoned = old.iter().all(|s| s.cordoned || s.vacant || s.ip.is_none());
+        let gate = match next {
+            Some(ready) if all_cordoned => seconds_until(ready, gate_at),
+            Some(_) => cap,
+            None => i64::from(current.unwrap_or(0)).max(seconds_until(now, gate_at)),
+        };
+        self.status = Some(st);
+        (self, gate.clamp(0, cap) as i32)
     }
 }
 
@@ -151,19 +329,11 @@ pub fn revision(rs: &ReplicaSet) -> Option<i64> {
         .ok()
 }
 
-/// The rollout of a fleet whose shards close at `drain_rate`
-/// connections/s each (plan.drainRate), from its `deployment`, its
-/// `replica_sets` and its `pods` (empty when they were not listed).
-///
-/// A rollout is under way while a pod runs another template than the
-/// newest ReplicaSet's; without a readable revision there is none to
-/// report.
-pub fn observe(
-    deployment: &Deployment,
-    replica_sets: &[ReplicaSet],
-    pods: &[Pod],
-    drain_rate: i64,
-) -> Rollout {
+/// The shards of a fleet from its `deployment`, its `replica_sets` and its
+/// `pods` (empty when they were not listed), with the counts of a rollout
+/// ([`Rollout::pace`] completes the status and says whether one is under
+/// way). `status` is `None` without a readable revision.
+pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod]) -> Rollout {
     let Some((revision, hash)) = current_revision(replica_sets) else {
         return Rollout::default();
     };
@@ -179,37 +349,60 @@ pub fn observe(
             .filter(|s| !s.updated && s.terminating == terminating)
             .count() as i32
     };
-    let (serving, draining) = (old(false), old(true));
-    let status = (serving + draining > 0).then(|| RolloutStatus {
+    let status = Some(RolloutStatus {
         revision,
         updated_shards: updated,
-        old_shards: serving,
+        old_shards: old(false),
         cordoned_shards: cordoned(&shards),
-        draining_shards: draining,
-        closes_per_second: i64::from(draining) * drain_rate,
+        draining_shards: old(true),
         paused: deployment
             .spec
             .as_ref()
             .and_then(|s| s.paused)
             .unwrap_or(false),
+        ..Default::default()
     });
-    Rollout { status, shards }
+    let old_replicas = replica_sets
+        .iter()
+        .filter(|rs| {
+            rs.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(POD_TEMPLATE_HASH))
+                != Some(&hash)
+        })
+        .filter_map(|rs| rs.spec.as_ref()?.replicas)
+        .sum();
+    Rollout {
+        status,
+        shards,
+        old_replicas,
+    }
 }
 
 fn shard(pod: &Pod, current_hash: &str) -> Option<Shard> {
     let hash = pod.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?;
     let status = pod.status.as_ref();
+    let cordon = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(CORDONED_ANNOTATION));
+    let ready_since = status
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0);
     Some(Shard {
         name: pod.metadata.name.clone()?,
         ip: status.and_then(|s| s.pod_ip.clone()),
         updated: hash == current_hash,
-        cordoned: pod
-            .metadata
-            .annotations
-            .as_ref()
-            .is_some_and(|a| a.contains_key(CORDONED_ANNOTATION)),
+        cordoned: cordon.is_some(),
+        held: cordon.and_then(|v| v.parse().ok()),
         terminating: pod.metadata.deletion_timestamp.is_some(),
         ready: pod_ready(pod),
+        ready_since,
+        vacant: false,
     })
 }
 
@@ -234,16 +427,36 @@ mod tests {
             "metadata": {"name": name, "labels": {POD_TEMPLATE_HASH: hash}},
             "status": {
                 "podIP": format!("10.0.0.{}", name.len()),
-                "conditions": [{"type": "Ready", "status": "True"}]
+                "conditions": [{"type": "Ready", "status": "True",
+                                "lastTransitionTime": "2026-12-01T00:00:00Z"}]
             }
         });
         if cordoned {
-            p["metadata"]["annotations"] = json!({CORDONED_ANNOTATION: "true"});
+            p["metadata"]["annotations"] = json!({CORDONED_ANNOTATION: "500"});
         }
         if terminating {
             p["metadata"]["deletionTimestamp"] = json!("2026-12-01T00:00:00Z");
         }
         serde_json::from_value(p).unwrap()
+    }
+
+    /// A pod Ready since `ready` seconds after [`T0`], its cordon (if any)
+    /// recording `held`.
+    fn shard_pod(name: &str, hash: &str, ready: i64, held: Option<&str>) -> Pod {
+        let mut p = pod(name, hash, false, false);
+        p.status.as_mut().unwrap().conditions.as_mut().unwrap()[0].last_transition_time =
+            Some(Time(at(ready)));
+        if let Some(h) = held {
+            p.metadata.annotations =
+                Some([(CORDONED_ANNOTATION.to_string(), h.to_string())].into());
+        }
+        p
+    }
+
+    const T0: i64 = 1_796_083_200; // 2026-12-01T00:00:00Z
+
+    fn at(seconds: i64) -> Timestamp {
+        Timestamp::from_second(T0 + seconds).unwrap()
     }
 
     fn deployment(replicas: i32, updated: i32, paused: bool) -> Deployment {
@@ -274,7 +487,7 @@ mod tests {
             pod("ccc", "old", true, false),
             pod("dddd", "old", true, true),
         ];
-        let r = observe(&deployment(4, 1, false), &sets, &pods, 50);
+        let r = observe(&deployment(4, 1, false), &sets, &pods);
         assert_eq!(
             r.status,
             Some(RolloutStatus {
@@ -283,11 +496,10 @@ mod tests {
                 old_shards: 2,
                 cordoned_shards: 1,
                 draining_shards: 1,
-                closes_per_second: 50,
-                paused: false,
+                ..Default::default()
             })
         );
-        let o = r.orders(true);
+        let o = r.orders();
         // The old shard is cordoned, once; the draining one and the updated
         // one get nothing.
         assert_eq!(names(&o.cordon), ["bb"]);
@@ -310,14 +522,14 @@ mod tests {
             pod("ccc", "old", false, false),
         ];
         let pods: Vec<Pod> = std::iter::once(starting).chain(old.clone()).collect();
-        let r = observe(&deployment(2, 1, false), &sets, &pods, 50);
+        let r = observe(&deployment(2, 1, false), &sets, &pods);
         assert!(r.status.is_some(), "the rollout is under way");
-        assert_eq!(r.orders(true), Orders::default());
+        assert_eq!(r.orders(), Orders::default());
         let pods: Vec<Pod> = std::iter::once(pod("a", "new", false, false))
             .chain(old)
             .collect();
-        let r = observe(&deployment(2, 1, false), &sets, &pods, 50);
-        assert_eq!(names(&r.orders(true).cordon), ["bb", "ccc"]);
+        let r = observe(&deployment(2, 1, false), &sets, &pods);
+        assert_eq!(names(&r.orders().cordon), ["bb", "ccc"]);
     }
 
     /// A paused rollout keeps (and completes) its cordons: the Deployment
@@ -331,9 +543,9 @@ mod tests {
             pod("bb", "old", true, false),
             pod("ccc", "old", false, false),
         ];
-        let r = observe(&deployment(3, 1, true), &sets, &pods, 50);
+        let r = observe(&deployment(3, 1, true), &sets, &pods);
         assert!(r.status.as_ref().unwrap().paused);
-        let o = r.orders(true);
+        let o = r.orders();
         assert_eq!(names(&o.cordon), ["ccc"]);
         assert!(o.uncordon.is_empty());
         let st = r.after(&o).status.unwrap();
@@ -349,9 +561,9 @@ mod tests {
             pod("a", "back", false, false),
             pod("bb", "back", true, false),
         ];
-        let r = observe(&deployment(2, 2, false), &sets, &pods, 50);
-        assert_eq!(r.status, None);
-        let o = r.orders(true);
+        let r = observe(&deployment(2, 2, false), &sets, &pods);
+        assert!(!r.under_way());
+        let o = r.orders();
         assert!(o.cordon.is_empty());
         assert_eq!(names(&o.uncordon), ["bb"]);
     }
@@ -361,9 +573,15 @@ mod tests {
         // One ReplicaSet, pods still starting: nothing to report or order.
         let sets = [rs("1", "only")];
         let pods = [pod("a", "only", false, false)];
-        let r = observe(&deployment(3, 1, false), &sets, &pods, 50);
-        assert_eq!(r.status, None);
-        assert_eq!(r.orders(true), Orders::default());
+        let r = observe(&deployment(3, 1, false), &sets, &pods);
+        assert!(!r.under_way());
+        assert_eq!(r.orders(), Orders::default());
+        let (r, gate) = r.pace(None, &PACE, at(0), Some(0));
+        assert_eq!(
+            (r.status, gate),
+            (None, 16),
+            "outside a rollout: the cap's step"
+        );
     }
 
     #[test]
@@ -371,7 +589,205 @@ mod tests {
         let sets = [rs("1", "old"), rs("2", "new")];
         let mut p = pod("bb", "old", false, false);
         p.status.as_mut().unwrap().pod_ip = None;
-        let r = observe(&deployment(1, 0, false), &sets, &[p], 50);
-        assert!(r.orders(true).cordon.is_empty());
+        let r = observe(&deployment(1, 0, false), &sets, &[p]);
+        assert!(r.orders().cordon.is_empty());
+    }
+
+    /// 100 connections/s a shard, two shards a step, a cap's drain 16 s.
+    const PACE: Pace = Pace {
+        drain_rate: 100,
+        surge: 2,
+        cap_step_seconds: 16,
+    };
+
+    /// Issue 22: a step lasts as long as its shards take to close what they
+    /// held, not a cap's drain; the first one starts as soon as the updated
+    /// shards are Ready and every old one is cordoned; the next waits for
+    /// the drain, and its updated shards cannot be available earlier.
+    #[test]
+    fn steps_are_paced_by_what_the_old_shards_held() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let old = |n: &str, held| shard_pod(n, "old", -100, held);
+        // Step 1: two updated shards Ready at +3 s, the four old ones
+        // cordoned holding 1,000, 950, 400 and (not yet answered) ?.
+        let pods = [
+            shard_pod("n1", "new", 3, None),
+            shard_pod("n2", "new", 3, None),
+            old("o1", Some("1000")),
+            old("o2", Some("950")),
+            old("o3", Some("400")),
+            old("o4", None),
+        ];
+        let r = observe(&deployment(4, 2, false), &sets, &pods);
+        let (r, gate) = r.clone().pace(None, &PACE, at(4), Some(16));
+        let st = r.status.clone().unwrap();
+        assert_eq!(gate, 16, "an old shard is not cordoned yet: the cap's step");
+        assert_eq!((st.connections_on_old_shards, st.step_seconds), (2350, 16));
+        // o4 answers its cordon holding 980.
+        let done = Orders {
+            cordon: vec![Shard {
+                held: Some(980),
+                ..r.shards[5].clone()
+            }],
+            ..Orders::default()
+        };
+        let (r, gate) = r.after(&done).pace(None, &PACE, at(4), Some(16));
+        let st1 = r.status.unwrap();
+        assert_eq!(
+            gate, 1,
+            "nothing drains: the updated shards are available now"
+        );
+        assert_eq!(
+            (st1.connections_on_old_shards, st1.cordoned_shards),
+            (3330, 4)
+        );
+        assert_eq!(st1.step_seconds, 11, "1,000 at 100/s, and half a second");
+        assert_eq!(st1.draining_until, None);
+        assert_eq!(st1.estimated_completion_time, Some(Time(at(4 + 2 * 11))));
+
+        // The Deployment removes two old shards at +5 s; two more updated
+        // shards start. Their drain runs until +16 s; the gate goes up so
+        // that no updated shard becomes available before then.
+        let pods = [
+            shard_pod("n1", "new", 3, None),
+            shard_pod("n2", "new", 3, None),
+            old("o3", Some("400")),
+            old("o4", Some("980")),
+        ];
+        let r = observe(&deployment(4, 4, false), &sets, &pods);
+        let (r, gate) = r.pace(Some(&st1), &PACE, at(5), Some(1));
+        let st2 = r.status.unwrap();
+        assert_eq!(st2.last_step_time, Some(Time(at(5))));
+        assert_eq!(st2.draining_until, Some(Time(at(16))));
+        assert_eq!((st2.draining_shards, st2.closes_per_second), (2, 200));
+        assert_eq!(gate, 11, "raised to the rest of the drain");
+        assert_eq!(st2.step_seconds, 11, "980 at 100/s, and half a second");
+        assert_eq!(st2.estimated_completion_time, Some(Time(at(16 + 11))));
+
+        // At +8 s the next two are Ready: available at +16 s, not earlier.
+        let pods = [
+            shard_pod("n1", "new", 3, None),
+            shard_pod("n2", "new", 3, None),
+            shard_pod("n3", "new", 8, None),
+            shard_pod("n4", "new", 8, None),
+            old("o3", Some("400")),
+            old("o4", Some("980")),
+        ];
+        let r = observe(&deployment(4, 4, false), &sets, &pods);
+        let (r, gate) = r.pace(Some(&st2), &PACE, at(8), Some(11));
+        let st3 = r.status.unwrap();
+        assert_eq!(gate, 8, "Ready at +8 s, available at +16 s");
+        assert_eq!(st3.draining_until, st2.draining_until);
+        assert_eq!(st3.estimated_completion_time, st2.estimated_completion_time);
+
+        // At +16 s the last two old shards go: the rollout is reported until
+        // their drain ends at +27 s, then it is over and the gate is the cap.
+        let pods = [
+            shard_pod("n1", "new", 3, None),
+            shard_pod("n2", "new", 3, None),
+            shard_pod("n3", "new", 8, None),
+            shard_pod("n4", "new", 8, None),
+        ];
+        let r = observe(&deployment(4, 4, false), &sets, &pods);
+        assert!(!r.under_way());
+        let (r, gate) = r.clone().pace(Some(&st3), &PACE, at(16), Some(8));
+        let st4 = r.status.unwrap();
+        assert_eq!((st4.old_shards, st4.draining_shards), (0, 2));
+        assert_eq!(st4.draining_until, Some(Time(at(27))));
+        assert_eq!(gate, 11);
+        let r = observe(&deployment(4, 4, false), &sets, &pods);
+        let (r, gate) = r.pace(Some(&st4), &PACE, at(27), Some(11));
+        assert_eq!((r.status, gate), (None, 16));
+    }
+
+    #[test]
+    fn a_step_is_the_drain_and_half_a_second_rounded_up() {
+        assert_eq!(step_seconds(1000, 100), 11);
+        assert_eq!(step_seconds(1049, 100), 11);
+        assert_eq!(step_seconds(1050, 100), 11);
+        assert_eq!(step_seconds(1051, 100), 12);
+        assert_eq!(step_seconds(0, 100), 1);
+        assert_eq!(step_seconds(1_000_000, 2000), 501);
+    }
+
+    /// An old shard where nothing listens (no server runs: it holds no
+    /// clients) does not hold the gate; one that answers without a count
+    /// (an older server) paces its step at the cap.
+    #[test]
+    fn a_vacant_shard_holds_no_clients_and_does_not_hold_the_gate() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let pods = [
+            shard_pod("n1", "new", 0, None),
+            shard_pod("o1", "old", -50, None),
+            shard_pod("o2", "old", -50, Some("300")),
+        ];
+        let r = observe(&deployment(2, 1, false), &sets, &pods);
+        let orders = r.orders();
+        assert_eq!(names(&orders.cordon), ["o1"]);
+        let done = Orders {
+            vacant: orders.cordon.clone(),
+            ..Orders::default()
+        };
+        let (r, gate) = r.after(&done).pace(None, &PACE, at(3), Some(16));
+        let st = r.status.unwrap();
+        assert_eq!(gate, 3, "every old shard settled: available now");
+        assert_eq!((st.cordoned_shards, st.connections_on_old_shards), (1, 300));
+        assert_eq!(st.step_seconds, 4, "300 at 100/s, and half a second");
+    }
+
+    /// Issue 22 (found by the fleet suite): pods the API refused never
+    /// exist, so an older ReplicaSet wanting them holds nothing to drain and
+    /// must not hold the new template back a cap's step; at rest the gate
+    /// is the cap's step.
+    #[test]
+    fn old_replicas_without_pods_do_not_hold_the_gate() {
+        let mut sets = [rs("1", "old"), rs("2", "new")];
+        sets[0].spec =
+            Some(serde_json::from_value(json!({"replicas": 3, "selector": {}})).unwrap());
+        let pods = [shard_pod("n1", "new", 0, None)];
+        let r = observe(&deployment(3, 1, false), &sets, &pods);
+        assert_eq!(r.old_replicas, 3);
+        let (r, gate) = r.pace(None, &PACE, at(2), Some(16));
+        assert_eq!((r.status, gate), (None, 0));
+        sets[0].spec =
+            Some(serde_json::from_value(json!({"replicas": 0, "selector": {}})).unwrap());
+        let r = observe(&deployment(3, 3, false), &sets, &pods);
+        let (_, gate) = r.pace(None, &PACE, at(3), Some(0));
+        assert_eq!(gate, 16);
+        // An old pod not placed yet (no IP) holds nothing and needs no cordon.
+        let mut pending = shard_pod("o1", "old", 0, None);
+        pending.status.as_mut().unwrap().pod_ip = None;
+        let r = observe(
+            &deployment(2, 1, false),
+            &sets,
+            &[shard_pod("n1", "new", 0, None), pending],
+        );
+        let (r, gate) = r.pace(None, &PACE, at(2), Some(16));
+        assert_eq!(gate, 2, "available now");
+        assert_eq!(r.status.unwrap().step_seconds, 1);
+    }
+
+    /// A shard whose cordon recorded no count (an older server, or an
+    /// operator that cordoned before counts were kept) is paced as holding
+    /// its cap; the gate never passes the cap's step.
+    #[test]
+    fn an_unknown_count_paces_a_step_at_the_cap() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let pods = [
+            shard_pod("n1", "new", 0, None),
+            shard_pod("o1", "old", -50, Some("unknown")),
+            shard_pod("o2", "old", -50, Some("true")),
+        ];
+        let r = observe(&deployment(2, 1, false), &sets, &pods);
+        let previous = RolloutStatus {
+            old_shards: 3,
+            step_seconds: 40,
+            ..Default::default()
+        };
+        let (r, gate) = r.pace(Some(&previous), &PACE, at(2), Some(16));
+        let st = r.status.unwrap();
+        assert_eq!(st.step_seconds, 16);
+        assert_eq!(st.connections_on_old_shards, 0);
+        assert_eq!(gate, 16, "40 s of drain left, bounded by the cap's step");
     }
 }

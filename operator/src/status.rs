@@ -317,12 +317,16 @@ pub fn next_status(
             );
             if let Some(r) = rollout {
                 counts.push_str(&format!(
-                    "; revision {}: {} old shards ({} cordoned), {} draining at {} connections/s{}",
+                    "; revision {}: {} old shards ({} cordoned, holding {} connections), {} draining at {} connections/s{}{}",
                     r.revision,
                     r.old_shards,
                     r.cordoned_shards,
+                    r.connections_on_old_shards,
                     r.draining_shards,
                     r.closes_per_second,
+                    r.estimated_completion_time
+                        .as_ref()
+                        .map_or(String::new(), |t| format!("; done by {}", t.0)),
                     if r.paused { "; paused" } else { "" }
                 ));
             }
@@ -718,7 +722,9 @@ mod tests {
             cordoned_shards: 1,
             draining_shards: 1,
             closes_per_second: 50,
-            paused: false,
+            connections_on_old_shards: 420,
+            estimated_completion_time: Some(t(30)),
+            ..Default::default()
         };
         let rolling = Outcome::Applied {
             plan: p.clone(),
@@ -737,7 +743,7 @@ mod tests {
         assert_eq!(progressing.status, "True");
         assert_eq!(
             progressing.message,
-            "2/4 shards ready, 2 updated; revision 3: 1 old shards (1 cordoned), 1 draining at 50 connections/s"
+            "2/4 shards ready, 2 updated; revision 3: 1 old shards (1 cordoned, holding 420 connections), 1 draining at 50 connections/s; done by 1970-01-01T00:00:30Z"
         );
         assert_eq!(s.rollout, Some(rollout.clone()));
         let Outcome::Applied {
@@ -795,7 +801,7 @@ mod tests {
                 cordoned_shards: 0,
                 draining_shards: 1,
                 closes_per_second: 50,
-                paused: false,
+                ..Default::default()
             }),
         };
         let s = next_status(None, 1, 1000000, &draining, &t(10));

@@ -29,6 +29,8 @@ const NS: &str = "prod";
 const NAME: &str = "edge";
 const UID: &str = "5f0c3a7e-1d2b-4c8e-9a61-7b3d2e4f5a60";
 const FIELD_MANAGER: &str = "c10m-operator";
+/// The field manager of the rollout's gate (`c10m_operator::names::ROLLOUT_FIELD_MANAGER`).
+const ROLLOUT_MANAGER: &str = "fieldManager=c10m-operator-rollout";
 
 const FLEET: &str = "/apis/c10m.dev/v1alpha1/namespaces/prod/connectionfleets/edge";
 const FLEET_STATUS: &str = "/apis/c10m.dev/v1alpha1/namespaces/prod/connectionfleets/edge/status";
@@ -122,6 +124,15 @@ impl Cluster {
                 Reply::ok(fleet.clone())
             }
             Method::PATCH if path.starts_with(EVENTS) => Reply::ok(body),
+            // The rollout's gate: a merge patch of the Deployment's
+            // spec.minReadySeconds under its own field manager.
+            Method::PATCH if path == DEPLOYMENT && call.query().contains(ROLLOUT_MANAGER) => {
+                let Some(obj) = self.objects.get_mut(&path) else {
+                    return Reply::not_found(call);
+                };
+                obj["spec"]["minReadySeconds"] = body["spec"]["minReadySeconds"].clone();
+                Reply::ok(obj.clone())
+            }
             // Server-side apply of an owned object.
             Method::PATCH => {
                 if path == DEPLOYMENT
@@ -131,6 +142,15 @@ impl Cluster {
                 }
                 let mut obj = body;
                 if path == DEPLOYMENT {
+                    // The gate is another manager's field: an apply that
+                    // leaves it out keeps it.
+                    let gate = self
+                        .objects
+                        .get(&path)
+                        .map(|d| d["spec"]["minReadySeconds"].clone());
+                    if let Some(gate) = gate.filter(|g| !g.is_null()) {
+                        obj["spec"]["minReadySeconds"] = gate;
+                    }
                     let replicas = obj["spec"]["replicas"].as_i64().unwrap_or(1);
                     let ready = if self.ready { replicas } else { 0 };
                     obj["metadata"]["generation"] = json!(1);
@@ -400,7 +420,10 @@ async fn the_policy_refuses_before_anything_is_applied() {
     let h = Harness::start_under(Cluster::with_fleet(&cached), allowed.clone());
     h.reconcile(&cached).await.unwrap();
     let calls = h.api.take();
-    let applied = writes_to(&calls, DEPLOYMENT);
+    let applied: Vec<&Call> = writes_to(&calls, DEPLOYMENT)
+        .into_iter()
+        .filter(|c| !c.query().contains(ROLLOUT_MANAGER))
+        .collect();
     assert_eq!(applied.len(), 1, "{calls:#?}");
     let pod = &applied[0].body.as_ref().unwrap()["spec"]["template"]["spec"];
     assert_eq!(
@@ -488,6 +511,18 @@ async fn an_unchanged_rolled_out_fleet_writes_no_status_and_sends_no_event() {
         writes_to(&first, SECRETS).len(),
         1,
         "the admin Secret is created once"
+    );
+    // The gate between rollout steps is set once, outside a rollout to the
+    // plan's step (a cap's drain), under its own field manager.
+    let plan = written[0]["plan"].clone();
+    let gates: Vec<&Call> = writes_to(&first, DEPLOYMENT)
+        .into_iter()
+        .filter(|c| c.query().contains(ROLLOUT_MANAGER))
+        .collect();
+    assert_eq!(gates.len(), 1, "{first:#?}");
+    assert_eq!(
+        gates[0].body.as_ref().unwrap()["spec"]["minReadySeconds"],
+        plan["rolloutStepSeconds"]
     );
 
     // Second pass: the stored status is what reconcile would write.

@@ -366,7 +366,12 @@ fn helm_lifecycle_with_least_privilege_rbac() {
         dep["metadata"]["annotations"]["deployment.kubernetes.io/revision"],
         "2"
     );
-    let f = wait_ready(fns, "edge");
+    // The re-plan changes the template and the shard count (2 → 32) at
+    // once: the Deployment first scales the old ReplicaSet up
+    // (proportional scaling), then replaces those shards too, one surge
+    // step each at the default budget (ADR 0011), so this takes longer
+    // than a minute.
+    let f = wait_fleet_ready(fns, "edge", 3 * MINUTE);
     assert!(f["status"]["desiredShards"].as_i64().unwrap() > 2);
     assert_eq!(condition(&f, "Degraded").unwrap()["status"], "False");
     drop(op);

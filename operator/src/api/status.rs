@@ -197,10 +197,12 @@ pub struct Plan {
     /// `drainRate`, at least 1, at most `shards`.
     #[serde(default)]
     pub rollout_surge: i32,
-    /// Seconds between a rollout's steps: the Deployment's
-    /// `minReadySeconds`, so a step's old shards have drained their cap at
-    /// `drainRate` (and their accept window ended) before the next step's
-    /// drain starts. `drainSeconds` plus the accept window.
+    /// Seconds between a rollout's steps when nothing is known of what the
+    /// old shards hold: the Deployment's `minReadySeconds` outside a
+    /// rollout, so even with no operator running a step's old shards have
+    /// drained their cap at `drainRate` (and their accept window ended)
+    /// before the next step's drain starts; the bound of
+    /// status.rollout.stepSeconds. `drainSeconds` plus the accept window.
     #[serde(default)]
     pub rollout_step_seconds: i64,
     /// terminationGracePeriodSeconds of the shards' pods: the drain, the
@@ -512,12 +514,38 @@ pub struct RolloutStatus {
     /// endpoints, their held connections kept), so no client lands on
     /// them: all of them once an updated shard is Ready.
     pub cordoned_shards: i32,
-    /// Old shards draining (their pods terminating).
+    /// Old shards draining: those the last step removed, until
+    /// `drainingUntil`, or old pods still terminating, whichever is more.
     pub draining_shards: i32,
     /// Connections per second the draining shards close together
     /// (`drainingShards` × plan.drainRate); at most
     /// spec.rollout.maxReconnectRate.
     pub closes_per_second: i64,
+    /// Connections the old shards not yet draining hold, as each reported
+    /// when it was cordoned (a cordoned shard takes no new clients, so this
+    /// is an upper bound; shards not cordoned yet are not counted).
+    #[serde(default)]
+    pub connections_on_old_shards: i64,
+    /// Seconds the next step's shards need to close what they hold at
+    /// plan.drainRate (the most any of them held when cordoned, plus half a
+    /// second for clients that raced the cordon, rounded up), at most
+    /// plan.rolloutStepSeconds (also used while a shard's count is unknown).
+    #[serde(default)]
+    pub step_seconds: i64,
+    /// When the last step's old shards left the fleet (their drain began).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_step_time: Option<Time>,
+    /// When the last step's shards will have closed what they held: the
+    /// next step starts no earlier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining_until: Option<Time>,
+    /// When the last old shard will have drained, at this pace: the end of
+    /// the current step's drain (or when it was estimated, with none under
+    /// way), plus `stepSeconds` for each step to come. Kept as it was while
+    /// the steps, the old shards and their counts stay the same, so it moves
+    /// only when the rollout does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_completion_time: Option<Time>,
     /// The Deployment is paused (`kubectl rollout pause`): no new step
     /// starts; the old shards stay cordoned, and shards already draining
     /// finish.

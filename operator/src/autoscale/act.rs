@@ -76,12 +76,15 @@ pub async fn shed(
         admin::RATE_KEY,
         order.rate
     );
-    post(http, &order.pod, ip, port, token, &target).await
+    post(http, &order.pod, ip, port, token, &target)
+        .await
+        .map(drop)
 }
 
 /// Sends an order (`POST <target>`, `target` a path and query of
 /// [`c10m_wire::admin`]) with the fleet's bearer `token` to the admin
-/// endpoint of shard `pod` at `ip:port`, within 5 s. Errors name the
+/// endpoint of shard `pod` at `ip:port`, within 5 s, and returns the
+/// answer's body (the server's JSON report of the order). Errors name the
 /// pod, the URL and the answer.
 pub async fn post(
     http: &reqwest::Client,
@@ -90,25 +93,60 @@ pub async fn post(
     port: i32,
     token: &str,
     target: &str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<String> {
     let url = format!("http://{ip}:{port}{target}");
+    let failed = |e: reqwest::Error| {
+        let message = format!("order to {pod} ({url}): {e}");
+        anyhow::Error::new(e).context(message)
+    };
     let res = http
         .post(&url)
         .bearer_auth(token)
         .timeout(Duration::from_secs(5))
         .send()
         .await
-        .map_err(|e| anyhow::anyhow!("order to {pod} ({url}): {e}"))?;
+        .map_err(failed)?;
     if !res.status().is_success() {
         anyhow::bail!("order to {pod} ({url}): HTTP {}", res.status());
     }
-    Ok(())
+    res.text().await.map_err(failed)
+}
+
+/// Whether an order failed because nothing listens at the shard's admin
+/// endpoint (the connection was refused): every shard the operator renders
+/// serves its readiness probe there, so its server is not running, and
+/// holds no clients.
+pub fn refused(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn an_order_to_a_port_nothing_listens_on_is_refused() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let http = reqwest::Client::new();
+        let err = post(&http, "push-0", "127.0.0.1", port.into(), "t", "/cordon")
+            .await
+            .unwrap_err();
+        assert!(refused(&err), "{err:#}");
+        assert!(err.to_string().contains("push-0"), "{err}");
+        // A shard that answers, even with an error, is not refused.
+        let (port, _head) = shard("404 Not Found").await;
+        let err = post(&http, "push-0", "127.0.0.1", port.into(), "t", "/cordon")
+            .await
+            .unwrap_err();
+        assert!(!refused(&err), "{err:#}");
+    }
 
     /// A one-request HTTP server answering `status`; yields the request head.
     async fn shard(status: &'static str) -> (u16, tokio::task::JoinHandle<String>) {

@@ -14,7 +14,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Error;
-use crate::names::{FIELD_MANAGER, labels, secret_name};
+use crate::names::{FIELD_MANAGER, ROLLOUT_FIELD_MANAGER, labels, secret_name};
 use crate::render::Rendered;
 
 async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
@@ -38,6 +38,30 @@ pub async fn objects(client: &Client, ns: &str, objects: &Rendered) -> Result<De
     apply(&Api::namespaced(client.clone(), ns), &objects.service).await?;
     apply(&Api::namespaced(client.clone(), ns), &objects.pdb).await?;
     Ok(deployment)
+}
+
+/// Sets the Deployment `name`'s `spec.minReadySeconds`, the gate between a
+/// rollout's steps, to `seconds` under [`ROLLOUT_FIELD_MANAGER`] (a merge
+/// patch of that one field; the rendered objects leave it out), and
+/// returns the Deployment as stored.
+pub async fn min_ready_seconds(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    seconds: i32,
+) -> Result<Deployment, Error> {
+    let patch = serde_json::json!({"spec": {"minReadySeconds": seconds}});
+    let pp = PatchParams {
+        field_manager: Some(ROLLOUT_FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .patch(name, &pp, &Patch::Merge(&patch))
+        .await
+        .map_err(|source| Error::Apply {
+            what: format!("set minReadySeconds of Deployment {name} to {seconds}"),
+            source,
+        })
 }
 
 /// The token an admin Secret holds under [`TOKEN_KEY`], as both sides read

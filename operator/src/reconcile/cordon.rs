@@ -1,8 +1,10 @@
 //! Cordon (client required): carries out a rollout's [`Orders`] on the
 //! shards. Each order goes to the shard's admin endpoint (`POST /cordon`
 //! or `/uncordon`, bearer token); once the shard has answered, the pod's
-//! [`CORDONED_ANNOTATION`] records it (set, or removed), so the order is
-//! sent once and survives a restart or a change of leader.
+//! [`CORDONED_ANNOTATION`] records it (set to the connections the shard
+//! reported holding, or removed), so the order is sent once, survives a
+//! restart or a change of leader, and what the shard must still close
+//! paces the rollout ([`crate::rollout::Rollout::pace`]).
 //!
 //! A shard that does not answer (starting, gone, unreachable) keeps its
 //! annotation as it was and gets the order again on the next reconcile; a
@@ -20,11 +22,13 @@ use c10m_wire::admin::{CORDON_PATH, UNCORDON_PATH};
 use super::Error;
 use crate::autoscale::act;
 use crate::names::CORDONED_ANNOTATION;
-use crate::rollout::Orders;
+use crate::rollout::{Orders, Shard};
 
 /// Sends `orders` to the shards of namespace `ns` (admin `port`, bearer
 /// `token`) and records each answered one on its pod. Returns the orders
-/// carried out (answered and recorded).
+/// carried out (answered and recorded), each cordoned shard with what it
+/// held ([`held`]), and, as vacant, the shards to be cordoned whose admin
+/// endpoint refused the connection ([`act::refused`]).
 pub async fn carry_out(
     client: &Client,
     http: &reqwest::Client,
@@ -40,11 +44,23 @@ pub async fn carry_out(
     for (shard, on) in cordon.chain(uncordon) {
         let Some(ip) = &shard.ip else { continue };
         let path = if on { CORDON_PATH } else { UNCORDON_PATH };
-        if let Err(e) = act::post(http, &shard.name, ip, port, token, path).await {
-            warn!(pod = %shard.name, error = %e, "rollout order not carried out; retried on the next reconcile");
-            continue;
-        }
-        let value = on.then_some("true");
+        let answer = match act::post(http, &shard.name, ip, port, token, path).await {
+            Ok(answer) => answer,
+            Err(e) if on && act::refused(&e) => {
+                // Nothing listens: no server runs there, and it holds no
+                // clients. Nothing to record; asked again next time.
+                done.vacant.push(shard.clone());
+                continue;
+            }
+            Err(e) => {
+                warn!(pod = %shard.name, error = %e, "rollout order not carried out; retried on the next reconcile");
+                continue;
+            }
+        };
+        let held = on.then(|| held(&answer)).flatten();
+        // An answer without a count still records the cordon; the rollout
+        // then paces the shard as holding its cap.
+        let value = on.then(|| held.map_or_else(|| "unknown".to_string(), |n| n.to_string()));
         let patch = serde_json::json!({"metadata": {"annotations": {CORDONED_ANNOTATION: value}}});
         pods.patch(&shard.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
@@ -52,12 +68,39 @@ pub async fn carry_out(
                 what: format!("record {path} on pod {}", shard.name),
                 source,
             })?;
-        info!(pod = %shard.name, order = path, "rollout order carried out");
+        info!(pod = %shard.name, order = path, ?held, "rollout order carried out");
         if on {
-            done.cordon.push(shard.clone());
+            done.cordon.push(Shard {
+                held,
+                ..shard.clone()
+            });
         } else {
             done.uncordon.push(shard.clone());
         }
     }
     Ok(done)
+}
+
+/// The connections a shard reported holding in its answer to an order
+/// (`{"action":"cordon","live":N}`, `c10m-server`'s admin API); `None`
+/// when the answer has no such count.
+pub fn held(answer: &str) -> Option<i64> {
+    serde_json::from_str::<serde_json::Value>(answer)
+        .ok()?
+        .get("live")?
+        .as_i64()
+        .filter(|n| *n >= 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cordon_answer_gives_what_the_shard_held() {
+        assert_eq!(held(r#"{"action":"cordon","live":1234}"#), Some(1234));
+        assert_eq!(held(r#"{"action":"cordon"}"#), None);
+        assert_eq!(held("ok"), None);
+        assert_eq!(held(r#"{"live":-1}"#), None);
+    }
 }

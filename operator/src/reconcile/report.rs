@@ -106,6 +106,13 @@ pub async fn report(
     }
     written?;
     let wait = match &outcome {
+        // A drain that ends is seen by no watch: look again as it does.
+        Outcome::Applied {
+            rollout: Some(r), ..
+        } => r.draining_until.as_ref().map_or(ROLLOUT_RECHECK, |until| {
+            let left = until.0.duration_since(now.0).as_millis().max(0) as u64;
+            ROLLOUT_RECHECK.min(Duration::from_millis(left + 100))
+        }),
         Outcome::Applied { shards, .. } if !shards.rolled_out() => ROLLOUT_RECHECK,
         _ => RESYNC,
     };
