@@ -32,6 +32,19 @@ use crate::names::{
 use crate::plan;
 use crate::policy::Policy;
 
+/// Seconds between the kubelet's readiness probes of a shard (`/healthz`).
+pub const READINESS_PERIOD_SECONDS: i32 = 1;
+
+/// Failed readiness probes before the kubelet marks a shard NotReady: one,
+/// so a cordoned shard (503) leaves the endpoints within a probe period.
+pub const READINESS_FAILURE_THRESHOLD: i32 = 1;
+
+/// Seconds from a cordon until its shard is out of the Service's
+/// endpoints: the probes that see it (period × threshold). What the
+/// endpoint controller and the dataplane add comes on top
+/// ([`crate::rollout::CORDON_SETTLE_SECONDS`]).
+pub const READINESS_SECONDS: i64 = (READINESS_PERIOD_SECONDS * READINESS_FAILURE_THRESHOLD) as i64;
+
 /// Fraction of the container memory limit given to GOMEMLIMIT for the
 /// goroutine model: 90 %, leaving room for non-heap memory (Go's GC guide
 /// recommends a limit with headroom below the container limit).
@@ -211,6 +224,15 @@ pub fn render(
         period_seconds: Some(5),
         ..Default::default()
     };
+    // A shard leaves the Service's endpoints within one failed probe of
+    // its cordon (or drain); the rollout waits that long, and a little
+    // more, before the first drain ([`READINESS_SECONDS`]).
+    let readiness = Probe {
+        initial_delay_seconds: Some(1),
+        period_seconds: Some(READINESS_PERIOD_SECONDS),
+        failure_threshold: Some(READINESS_FAILURE_THRESHOLD),
+        ..health(1)
+    };
     let bundled = spec.backend.model == BackendModel::Epoll;
     let server_container = Container {
         name: SERVER_CONTAINER.into(),
@@ -235,7 +257,7 @@ pub fn render(
             limits: Some(resources),
             ..Default::default()
         }),
-        readiness_probe: Some(health(1)),
+        readiness_probe: Some(readiness),
         liveness_probe: Some(health(10)),
         security_context: bundled.then(|| server_security_context(spec, plan)),
         volume_mounts: Some(vec![admin_token_mount()]),

@@ -50,6 +50,16 @@ use crate::names::{CORDONED_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION};
 /// within 250 ms, so a shard may take a few clients more than it reported.
 pub const STEP_MARGIN_MS: i64 = 500;
 
+/// Seconds the first drain after a cordon waits for the cordoned shards to
+/// leave the Service's endpoints: the readiness probes that see the 503
+/// ([`crate::render::READINESS_SECONDS`]), plus 1 s for the endpoint
+/// controller and the dataplane (kube-proxy applies an EndpointSlice
+/// change within its sync period, 1 s by default; the e2e test's balancer
+/// follows within 0.8 s). A client a drain closes before then may land on
+/// an old shard and be moved again (`make bench-rollout` saw 106 of 16,000
+/// without this wait).
+pub const CORDON_SETTLE_SECONDS: i64 = crate::render::READINESS_SECONDS + 1;
+
 /// Seconds a step's shards need to close `held` connections at `rate`
 /// connections/s each, with [`STEP_MARGIN_MS`], rounded up.
 pub fn step_seconds(held: i64, rate: i64) -> i64 {
@@ -91,6 +101,8 @@ pub struct Rollout {
     pub status: Option<RolloutStatus>,
     /// The fleet's shards (pods), when listed.
     pub shards: Vec<Shard>,
+    /// [`Rollout::after`] recorded a cordon carried out just now.
+    pub cordoned_now: bool,
     /// Replicas the Deployment's older ReplicaSets still want: shards of an
     /// older template, whether or not their pods exist (pods refused by the
     /// API never do).
@@ -175,6 +187,7 @@ impl Rollout {
         if let Some(st) = &mut self.status {
             st.cordoned_shards = cordoned(&self.shards);
         }
+        self.cordoned_now |= !done.cordon.is_empty();
         self
     }
 
@@ -219,7 +232,9 @@ impl Rollout {
     /// drain, so none of them can be available earlier. Outside a rollout
     /// it is `pace.cap_step_seconds`, unless older ReplicaSets still want
     /// replicas that have no pods (nothing to drain: 0). A shard without an
-    /// IP holds no clients and needs no cordon. The gate is always within
+    /// IP holds no clients and needs no cordon. No step starts before
+    /// [`CORDON_SETTLE_SECONDS`] after the last cordon (`lastCordonTime`).
+    /// The gate is always within
     /// `0..=` the cap's step.
     pub fn pace(
         mut self,
@@ -253,6 +268,15 @@ impl Rollout {
             st.draining_shards = st.draining_shards.max(step_shards);
         }
         st.closes_per_second = i64::from(st.draining_shards) * pace.drain_rate;
+        st.last_cordon_time = if self.cordoned_now {
+            Some(Time(now))
+        } else {
+            previous.and_then(|p| p.last_cordon_time.clone())
+        };
+        let settled = st
+            .last_cordon_time
+            .as_ref()
+            .map(|t| t.0 + SignedDuration::from_secs(CORDON_SETTLE_SECONDS));
         st.last_step_time = last_step.map(Time);
         st.draining_until = until.map(Time);
         let old: Vec<&Shard> = serving_old(&self.shards).collect();
@@ -287,7 +311,7 @@ impl Rollout {
             let gate = if self.old_replicas > 0 { 0 } else { cap };
             return (self, gate as i32);
         }
-        let gate_at = until.unwrap_or(now);
+        let gate_at = until.unwrap_or(now).max(settled.unwrap_or(now));
         let next = self
             .shards
             .iter()
@@ -377,6 +401,7 @@ pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod
         status,
         shards,
         old_replicas,
+        cordoned_now: false,
     }
 }
 
@@ -634,9 +659,11 @@ mod tests {
         let (r, gate) = r.after(&done).pace(None, &PACE, at(4), Some(16));
         let st1 = r.status.unwrap();
         assert_eq!(
-            gate, 1,
-            "nothing drains: the updated shards are available now"
+            i64::from(gate),
+            1 + CORDON_SETTLE_SECONDS,
+            "nothing drains: available once the cordons have left the endpoints"
         );
+        assert_eq!(st1.last_cordon_time, Some(Time(at(4))));
         assert_eq!(
             (st1.connections_on_old_shards, st1.cordoned_shards),
             (3330, 4)

@@ -532,6 +532,11 @@ pub struct RolloutStatus {
     /// plan.rolloutStepSeconds (also used while a shard's count is unknown).
     #[serde(default)]
     pub step_seconds: i64,
+    /// When the operator last cordoned an old shard: no step starts until
+    /// the cordoned shards are out of the Service's endpoints (one failed
+    /// readiness probe, plus the dataplane's delay).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_cordon_time: Option<Time>,
     /// When the last step's old shards left the fleet (their drain began).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_step_time: Option<Time>,
