@@ -91,6 +91,9 @@ pub enum Reason {
     PodCreationFailed,
     /// A shard's image cannot be pulled (the pods' container statuses).
     ImagePullFailed,
+    /// A shard's pod cannot be scheduled: no node has room for it (a
+    /// rollout's surge, or a scale-out).
+    ShardUnschedulable,
     /// The Deployment made no progress within its progress deadline.
     ProgressDeadlineExceeded,
     // --- sysctls ---
@@ -134,7 +137,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 40] = [
+    pub const ALL: [Reason; 41] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -158,6 +161,7 @@ impl Reason {
         Reason::QuotaExceeded,
         Reason::PodCreationFailed,
         Reason::ImagePullFailed,
+        Reason::ShardUnschedulable,
         Reason::ProgressDeadlineExceeded,
         Reason::AllApplied,
         Reason::NotAllowedInMode,
@@ -208,6 +212,7 @@ impl Reason {
             Reason::QuotaExceeded => "QuotaExceeded",
             Reason::PodCreationFailed => "PodCreationFailed",
             Reason::ImagePullFailed => "ImagePullFailed",
+            Reason::ShardUnschedulable => "ShardUnschedulable",
             Reason::ProgressDeadlineExceeded => "ProgressDeadlineExceeded",
             Reason::AllApplied => "AllApplied",
             Reason::NotAllowedInMode => "NotAllowedInMode",

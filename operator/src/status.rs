@@ -70,6 +70,8 @@ const QUOTA_HINT: &str = "raise the namespace's ResourceQuota, or plan fewer or 
 
 const IMAGE_HINT: &str = "check spec.server.image and the namespace's image pull secrets (the sysctl init container's image is the operator policy's sysctlImage: a cluster admin's)";
 
+const UNSCHEDULABLE_HINT: &str = "a rollout adds status.plan.rolloutSurge shards before it removes as many old ones, and waits, the old shards serving, until they fit: free that room on the nodes the fleet may use (spec.placement), or lower spec.rollout.maxReconnectRate (a surge of 1 at spec.drain.rate or below)";
+
 /// Container waiting reasons that mean its image cannot be pulled.
 const IMAGE_PULL_REASONS: [&str; 4] = [
     "ErrImagePull",
@@ -118,7 +120,10 @@ impl WorkloadFailure {
 ///    condition as the Deployment mirrors it: the pods cannot be created
 ///    (PodSecurity, quota, or other admission errors);
 /// 2. a container of one of `pods` waiting on an image it cannot pull;
-/// 3. the Deployment's `Progressing=False` with `ProgressDeadlineExceeded`.
+/// 3. one of `pods` the scheduler found no room for (`PodScheduled=False
+///    Unschedulable`, its message naming what the nodes lack: CPU, memory,
+///    pods, taints), such as a rollout's surge shard;
+/// 4. the Deployment's `Progressing=False` with `ProgressDeadlineExceeded`.
 ///
 /// ReplicaSets another Deployment controls are ignored. `None` while the
 /// workload shows no failure (a rollout under way is not one).
@@ -209,6 +214,28 @@ pub fn workload_failure(
                 })
         })
     };
+    let unschedulable = || {
+        let mut pods: Vec<&Pod> = pods.iter().collect();
+        pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        pods.into_iter().find_map(|pod| {
+            let c = pod
+                .status
+                .as_ref()?
+                .conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+            (c.reason.as_deref() == Some("Unschedulable")).then(|| {
+                let pod = pod.metadata.name.as_deref().unwrap_or_default();
+                WorkloadFailure::new(
+                    Reason::ShardUnschedulable,
+                    format!("pod {pod} cannot be scheduled"),
+                    c.message.as_deref().unwrap_or_default(),
+                    Some(UNSCHEDULABLE_HINT),
+                )
+            })
+        })
+    };
     let stalled = || {
         deployment_conditions()
             .find(|c| {
@@ -228,6 +255,7 @@ pub fn workload_failure(
     replica_failure
         .or_else(mirrored)
         .or_else(image)
+        .or_else(unschedulable)
         .or_else(stalled)
 }
 
@@ -1609,6 +1637,47 @@ mod tests {
         );
         assert_eq!(
             workload_failure(&deployment(serde_json::json!([])), &[], &pods[..1]),
+            None
+        );
+    }
+
+    /// Issue 22, item 2: a surge shard with no room on the nodes says so,
+    /// quoting what the scheduler found missing; an image that cannot be
+    /// pulled comes first, a stalled rollout after.
+    #[test]
+    fn a_surge_shard_without_room_names_what_the_nodes_lack() {
+        let pending = |name: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name},
+                "status": {"phase": "Pending", "conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 2 Insufficient cpu, 1 Insufficient memory. preemption: 0/3 nodes are available: 3 No preemption victims found for incoming pod."
+                }]}
+            }))
+            .unwrap()
+        };
+        let scheduled: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "edge-1-a"},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "PodScheduled", "status": "True"}
+            ]}
+        }))
+        .unwrap();
+        let stalled = deployment(serde_json::json!([{
+            "type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+            "message": "ReplicaSet \"edge-2\" has timed out progressing."
+        }]));
+        let pods = [scheduled.clone(), pending("edge-2-x")];
+        let f = workload_failure(&stalled, &[], &pods).unwrap();
+        assert_eq!(f.reason, Reason::ShardUnschedulable);
+        assert_eq!(
+            f.message,
+            format!(
+                "pod edge-2-x cannot be scheduled: 0/3 nodes are available: 2 Insufficient cpu, 1 Insufficient memory. preemption: 0/3 nodes are available: 3 No preemption victims found for incoming pod. To fix: {UNSCHEDULABLE_HINT}"
+            )
+        );
+        assert_eq!(
+            workload_failure(&deployment(serde_json::json!([])), &[], &[scheduled]),
             None
         );
     }

@@ -505,3 +505,87 @@ fn bench_rollout() {
     println!("{fig}");
     check(&fig);
 }
+
+/// Issue 22, item 2: a rollout whose surge shard finds no room on the
+/// nodes waits with every old shard serving, and the fleet says at once
+/// what the nodes lack. Two 32-CPU shards fill `kwok-node-1` (64 CPUs); a
+/// `kubectl rollout restart` asks for a third.
+#[test]
+fn a_surge_without_room_waits_and_says_what_the_nodes_lack() {
+    ensure_crd();
+    let ns = Namespace::create("surge");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    let manifest = r#"apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: full
+spec:
+  connections: 10000
+  shard:
+    cpus: 32
+    minShards: 2
+  availability:
+    failureDomain: None
+  placement:
+    nodeSelector:
+      kubernetes.io/hostname: kwok-node-1
+"#;
+    let (ok, out) = apply(ns, manifest);
+    assert!(ok, "{out}");
+    let f = wait_fleet_ready(ns, "full", Duration::from_secs(60));
+    assert_eq!(f["status"]["plan"]["shards"], 2, "{}", f["status"]["plan"]);
+    let before = condition(&f, "Degraded").expect("Degraded");
+    assert_eq!(before["status"], "False", "{before}");
+    let old: Vec<ShardPod> = shard_pods(ns, "full");
+    assert_eq!(old.len(), 2, "{old:?}");
+
+    let restarted = Instant::now();
+    kubectl(&["rollout", "restart", "-n", ns, "deployment/full"]);
+    let f = wait_for(
+        "Degraded ShardUnschedulable",
+        Duration::from_secs(30),
+        || {
+            let f = get_json(ns, "connectionfleet", "full")?;
+            (condition(&f, "Degraded")?["reason"] == "ShardUnschedulable").then_some(f)
+        },
+    );
+    println!(
+        "FIGURE surge_unschedulable_reported_seconds={:.1}",
+        restarted.elapsed().as_secs_f64()
+    );
+    let degraded = condition(&f, "Degraded").unwrap();
+    let message = degraded["message"].as_str().unwrap();
+    assert_eq!(degraded["status"], "True", "{degraded}");
+    for part in [
+        "cannot be scheduled",
+        "Insufficient cpu",
+        "spec.rollout.maxReconnectRate",
+    ] {
+        assert!(message.contains(part), "{part:?} missing: {message}");
+    }
+    // The fallback: the rollout waits; both old shards still serve.
+    let now = shard_pods(ns, "full");
+    for p in &old {
+        assert!(
+            now.iter()
+                .any(|q| q.name == p.name && q.ready && !q.terminating),
+            "{} left: {now:?}",
+            p.name
+        );
+    }
+    assert_eq!(
+        condition(&f, "Progressing").unwrap()["reason"],
+        "RollingOut"
+    );
+    wait_for(
+        "ShardUnschedulable Warning",
+        Duration::from_secs(10),
+        || {
+            fleet_events(ns, "full")
+                .iter()
+                .any(|(t, r, _)| t == "Warning" && r == "ShardUnschedulable")
+                .then_some(())
+        },
+    );
+}
