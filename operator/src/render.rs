@@ -228,7 +228,6 @@ pub fn render(
     // its cordon (or drain); the rollout waits that long, and a little
     // more, before the first drain ([`READINESS_SECONDS`]).
     let readiness = Probe {
-        initial_delay_seconds: Some(1),
         period_seconds: Some(READINESS_PERIOD_SECONDS),
         failure_threshold: Some(READINESS_FAILURE_THRESHOLD),
         ..health(1)

@@ -41,7 +41,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::api::status::RolloutStatus;
-use crate::autoscale::observe::pod_ready;
+use crate::autoscale::observe::ready_condition;
 use crate::names::{CORDONED_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION};
 
 /// Milliseconds added to a step's drain (before it is rounded up to whole
@@ -78,11 +78,9 @@ pub struct Shard {
     /// The operator cordoned it ([`CORDONED_ANNOTATION`]).
     pub cordoned: bool,
     /// Connections it held when it answered its cordon (the annotation's
-    /// value), 0 when vacant; `None` when not cordoned or not recorded.
+    /// value), 0 when vacant ([`Orders::vacant`]: not cordoned, holding
+    /// nothing); `None` when not cordoned or not recorded.
     pub held: Option<i64>,
-    /// Nothing listened at its admin endpoint when it was to be cordoned
-    /// ([`Orders::vacant`]).
-    pub vacant: bool,
     /// The pod is terminating (its shard drains).
     pub terminating: bool,
     /// The pod's `Ready` condition is True (it is in the Service's
@@ -180,7 +178,6 @@ impl Rollout {
                 s.cordoned = false;
                 s.held = None;
             } else if done.vacant.iter().any(|d| d.name == s.name) {
-                s.vacant = true;
                 s.held = Some(0);
             }
         }
@@ -319,7 +316,10 @@ impl Rollout {
             .filter_map(|s| s.ready_since)
             .filter(|r| last_step.is_none_or(|l| *r > l))
             .min();
-        let all_cordoned = old.iter().all(|s| s.cordoned || s.vacant || s.ip.is_none());
+        // Cordoned, vacant (a count without a cordon) or not placed.
+        let all_cordoned = old
+            .iter()
+            .all(|s| s.cordoned || s.held.is_some() || s.ip.is_none());
         let gate = match next {
             Some(ready) if all_cordoned => seconds_until(ready, gate_at),
             Some(_) => cap,
@@ -413,9 +413,8 @@ fn shard(pod: &Pod, current_hash: &str) -> Option<Shard> {
         .annotations
         .as_ref()
         .and_then(|a| a.get(CORDONED_ANNOTATION));
-    let ready_since = status
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+    let ready = ready_condition(pod);
+    let ready_since = ready
         .and_then(|c| c.last_transition_time.as_ref())
         .map(|t| t.0);
     Some(Shard {
@@ -425,9 +424,8 @@ fn shard(pod: &Pod, current_hash: &str) -> Option<Shard> {
         cordoned: cordon.is_some(),
         held: cordon.and_then(|v| v.parse().ok()),
         terminating: pod.metadata.deletion_timestamp.is_some(),
-        ready: pod_ready(pod),
+        ready: ready.is_some(),
         ready_since,
-        vacant: false,
     })
 }
 

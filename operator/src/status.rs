@@ -186,10 +186,11 @@ pub fn workload_failure(
                 )
             })
     };
+    // Pods in name order, so the one a failure quotes is the same each time.
+    let mut pods: Vec<&Pod> = pods.iter().collect();
+    pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let image = || {
-        let mut pods: Vec<&Pod> = pods.iter().collect();
-        pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-        pods.into_iter().find_map(|pod| {
+        pods.iter().find_map(|pod| {
             let st = pod.status.as_ref()?;
             st.init_container_statuses
                 .iter()
@@ -215,9 +216,7 @@ pub fn workload_failure(
         })
     };
     let unschedulable = || {
-        let mut pods: Vec<&Pod> = pods.iter().collect();
-        pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-        pods.into_iter().find_map(|pod| {
+        pods.iter().find_map(|pod| {
             let c = pod
                 .status
                 .as_ref()?

@@ -311,8 +311,9 @@ fn roll(r: &Roll) -> Value {
         kubectl(&["rollout", "resume", "-n", ns, &deployment]);
     } else {
         wait_for("the old shards cordoned", Duration::from_secs(30), || {
+            let now = pods(ns);
             old.iter()
-                .all(|p| healthz(&p.ip) != 200 || !pods(ns).iter().any(|q| q.name == p.name))
+                .all(|p| healthz(&p.ip) != 200 || !now.iter().any(|q| q.name == p.name))
                 .then_some(())
         });
     }

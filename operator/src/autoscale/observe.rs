@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::ListParams;
@@ -186,12 +186,19 @@ pub fn own_replica_sets<'a>(
         .collect()
 }
 
+/// `pod`'s `Ready` condition when it is True (being deleted or not).
+pub fn ready_condition(pod: &Pod) -> Option<&PodCondition> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "True")
+}
+
 /// Whether `pod`'s `Ready` condition is True (being deleted or not).
 pub fn pod_ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+    ready_condition(pod).is_some()
 }
 
 impl From<Pod> for ShardPod {
