@@ -349,6 +349,36 @@ impl Operator {
         Operator { child, log }
     }
 
+    /// Starts an operator for `ns` that elects its leader on Lease `lease`
+    /// in `ns` (`--leader-elect`, the chart's default), logging to
+    /// `target/e2e-logs/<log_name>.log`.
+    pub fn elected(ns: &str, lease: &str, log_name: &str) -> Self {
+        Self::spawn(
+            &[
+                "run",
+                "--namespace",
+                ns,
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--leader-elect=true",
+                "--leader-elect-lease",
+                lease,
+                "--leader-elect-namespace",
+                ns,
+            ],
+            &kubeconfig(),
+            log_name,
+        )
+    }
+
+    /// This process holds Lease `lease` in `ns` (its holder identity is
+    /// `<host>_<pid>_<random>`).
+    pub fn holds(&self, ns: &str, lease: &str) -> bool {
+        get_json(ns, "lease", lease)
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
+            .is_some_and(|h| h.contains(&format!("_{}_", self.pid())))
+    }
+
     /// The operator's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -32,32 +32,11 @@ fn fleet_manifest(name: &str, connections: i64) -> String {
 
 /// An operator for `ns` electing its leader on Lease `LEASE` in `ns`.
 fn elected(ns: &str, log_name: &str) -> Operator {
-    Operator::spawn(
-        &[
-            "run",
-            "--namespace",
-            ns,
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--leader-elect=true",
-            "--leader-elect-lease",
-            LEASE,
-            "--leader-elect-namespace",
-            ns,
-        ],
-        &kubeconfig(),
-        log_name,
-    )
-}
-
-/// The Lease's holder identity (`<host>_<pid>_<random>`), if any.
-fn holder(ns: &str) -> Option<String> {
-    let lease = get_json(ns, "lease", LEASE)?;
-    lease["spec"]["holderIdentity"].as_str().map(str::to_string)
+    Operator::elected(ns, LEASE, log_name)
 }
 
 fn holds(ns: &str, op: &Operator) -> bool {
-    holder(ns).is_some_and(|h| h.contains(&format!("_{}_", op.pid())))
+    op.holds(ns, LEASE)
 }
 
 fn deployments(ns: &str) -> Vec<Value> {

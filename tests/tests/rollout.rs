@@ -14,8 +14,10 @@
 //! (`drain.rate` 100: two shards a step, 20 s of closes in all), paused for
 //! 10 s before its first step. `make bench-rollout` runs the same roll with
 //! 8 shards and 16,000 clients (`bench_rollout`, ignored in `make test`) and
-//! writes `target/bench/rollout.json`. Figures are printed as `FIGURE
-//! name=value` lines.
+//! writes `target/bench/rollout.json`. The same 4-shard roll runs again
+//! with two elected operators, the leader SIGKILLed as the first step
+//! drains (issue 22, item 4). Figures are printed as `FIGURE name=value`
+//! lines.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -27,6 +29,14 @@ use c10m_e2e::*;
 use serde_json::{Value, json};
 
 const FLEET: &str = "roll";
+
+/// The operators' leader Lease when [`Roll::failover`] runs two.
+const LEASE: &str = "c10m-operator";
+
+/// Seconds a failover may add to a roll: the operator's default
+/// `--leader-elect-lease-duration` (15 s) plus 3 s to take the Lease (see
+/// `ha.rs`). The Deployment goes on stepping at the last gate meanwhile.
+const FAILOVER_SECONDS: f64 = 18.0;
 
 /// The admin port of the bundled server (spec.server.metricsPort default).
 const ADMIN_PORT: u16 = 9090;
@@ -48,6 +58,9 @@ struct Roll {
     /// Held paused (`kubectl rollout pause`) this long before its first
     /// step, if at all.
     pause: Option<Duration>,
+    /// Two operators elect a leader (the chart's default), and the leader
+    /// is SIGKILLed as the first step's shards start to drain.
+    failover: bool,
 }
 
 impl Roll {
@@ -200,7 +213,13 @@ fn roll(r: &Roll) -> Value {
     PodRunner::ensure();
     let ns = Namespace::create("rollout");
     let ns = ns.0.as_str();
-    let _op = Operator::start(ns);
+    let mut ops = if r.failover {
+        let a = Operator::elected(ns, LEASE, &format!("{ns}-a"));
+        let b = Operator::elected(ns, LEASE, &format!("{ns}-b"));
+        vec![a, b]
+    } else {
+        vec![Operator::start(ns)]
+    };
     let (ok, out) = apply(ns, &r.manifest());
     assert!(ok, "{out}");
     let shards = r.shards as usize;
@@ -331,6 +350,8 @@ fn roll(r: &Roll) -> Value {
     // by an updated shard.
     let timeout = Duration::from_secs(r.shards * step + 120);
     let mut most_pods = 0;
+    // The leader killed (failover): the survivor and when.
+    let mut killed: Option<(usize, Instant)> = None;
     let finals = wait_for("the rollout to complete", timeout, || {
         // KWOK hands a deleted pod's IP to the next pod: an IP counts as
         // the old shard's only while its old pod is there before and after
@@ -346,6 +367,19 @@ fn roll(r: &Roll) -> Value {
             }
         }
         most_pods = most_pods.max(fleet_pods(ns, FLEET).len());
+        let stepped = pods(ns).iter().filter(|p| p.hash == old_hash).count() < shards;
+        if r.failover && killed.is_none() && stepped {
+            let leader = ops
+                .iter()
+                .position(|o| o.holds(ns, LEASE))
+                .expect("a leader mid-rollout");
+            ops[leader].kill();
+            killed = Some((1 - leader, Instant::now()));
+            println!(
+                "FIGURE failover_killed_leader_at_seconds={:.1}",
+                started.elapsed().as_secs_f64()
+            );
+        }
         let f = get_json(ns, "connectionfleet", FLEET)?;
         let now = pods(ns);
         let done = f["status"]["rollout"].is_null()
@@ -359,6 +393,18 @@ fn roll(r: &Roll) -> Value {
         (held == Some(clients)).then_some(now)
     });
     let took = started.elapsed();
+    if let Some((survivor, at)) = killed {
+        let op = &ops[survivor];
+        assert!(
+            op.holds(ns, LEASE) && op.log_text().contains("became leader"),
+            "the survivor never led: {}",
+            op.log_text()
+        );
+        println!(
+            "FIGURE failover_rollout_seconds_after_kill={:.1}",
+            at.elapsed().as_secs_f64()
+        );
+    }
     stop.store(true, Ordering::Relaxed);
     let report = load.finish();
 
@@ -439,6 +485,7 @@ fn roll(r: &Roll) -> Value {
         "podStartSeconds": (pod_start.as_secs_f64() * 10.0).round() / 10.0,
         "mostPods": most_pods,
         "closedWhilePaused": closed_paused,
+        "failoverAllowanceSeconds": if r.failover { FAILOVER_SECONDS } else { 0.0 },
     })
 }
 
@@ -448,7 +495,8 @@ fn roll(r: &Roll) -> Value {
 /// removes a deleted pod at once, so Terminating ones never show here)
 /// ≤ shards + surge, and the duration, the pause left out, ≤ 1.3 × the
 /// ideal (every client closed at the budget) + 2 pod starts (the first
-/// step's surge, and the last step's, which no drain hides).
+/// step's surge, and the last step's, which no drain hides), plus
+/// [`FAILOVER_SECONDS`] when the leader was killed.
 fn check(fig: &Value) {
     let f = |k: &str| fig[k].as_f64().unwrap_or_else(|| panic!("{k} in {fig}"));
     let (budget, ideal) = (f("budget"), f("idealSeconds"));
@@ -466,7 +514,7 @@ fn check(fig: &Value) {
     assert_eq!(fig["reachedOldRevision"], 0, "{fig}");
     assert_eq!(fig["closedWhilePaused"], 0, "{fig}");
     assert!(f("mostPods") <= f("shards") + f("surge"), "pods: {fig}");
-    let bound = 1.3 * ideal + 2.0 * f("podStartSeconds");
+    let bound = 1.3 * ideal + 2.0 * f("podStartSeconds") + f("failoverAllowanceSeconds");
     assert!(
         f("durationSeconds") <= bound,
         "duration above 1.3 × ideal + 2 pod starts = {bound:.1} s: {fig}"
@@ -482,6 +530,26 @@ fn a_rollout_restart_moves_every_client_once_within_the_budget() {
         drain_rate: 100,
         per_cpu: 1500,
         pause: Some(Duration::from_secs(10)),
+        failover: false,
+    });
+    check(&fig);
+}
+
+/// Issue 22, item 4: the leader of two operators is SIGKILLed as the first
+/// step's shards drain. The Deployment goes on stepping at the gate the
+/// dead leader last set, the survivor takes the Lease and carries the
+/// rollout on from the status (its cordon records and `drainingUntil`):
+/// no shard drains twice, no client moves twice, the budget holds.
+#[test]
+fn killing_the_leader_mid_rollout_keeps_the_budget_and_moves_every_client_once() {
+    let fig = roll(&Roll {
+        shards: 4,
+        clients: 4000,
+        budget: 200,
+        drain_rate: 100,
+        per_cpu: 1500,
+        pause: None,
+        failover: true,
     });
     check(&fig);
 }
@@ -499,6 +567,7 @@ fn bench_rollout() {
         drain_rate: 200,
         per_cpu: 2800,
         pause: None,
+        failover: false,
     });
     let out = workspace().join("target/bench/rollout.json");
     std::fs::create_dir_all(out.parent().unwrap()).unwrap();

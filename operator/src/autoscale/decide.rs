@@ -12,7 +12,12 @@
 //!   holding connections is never a victim for being unready (the HPA's
 //!   rule: unready pods never push a scale-down);
 //! - only a settled fleet is rebalanced (as many ready shards as replicas,
-//!   and no change of replicas in this sync), and never while paused.
+//!   and no change of replicas in this sync), and never while paused;
+//! - while a rollout is under way (`status.rollout`), no scale-in and no
+//!   rebalancing: either would close clients on top of the rollout's
+//!   drains, outside spec.rollout.maxReconnectRate, and could move a client
+//!   a rollout already moved. A scale-out goes on (ADR 0011 says where the
+//!   Deployment puts its shards).
 
 use std::time::Duration;
 
@@ -68,6 +73,9 @@ pub struct DecideInput<'a> {
     pub observation: &'a Observation,
     /// The fleet carries the pause annotation.
     pub paused: bool,
+    /// A rollout is under way (the fleet's `status.rollout`, as the last
+    /// reconcile saw it).
+    pub rolling: bool,
     /// Seconds on the loop's monotonic clock.
     pub now: f64,
     /// Wall-clock time for status.
@@ -101,6 +109,7 @@ impl<'a> DecideInput<'a> {
             current,
             observation,
             paused: paused(fleet),
+            rolling: prev.is_some_and(|p| p.rollout.is_some()),
             now,
             wall,
         }
@@ -305,7 +314,14 @@ pub fn decide(i: &DecideInput<'_>, memory: &mut Memory) -> Decision {
                 socket_memory_bytes: m.socket_memory_bytes,
                 tcp_mem_pressure_bytes: i.tcp_mem_pressure_bytes,
             };
-            let rec = policy::recommend(a, &obs);
+            let mut rec = policy::recommend(a, &obs);
+            if i.rolling && rec.shards < i.current {
+                rec.reason = format!(
+                    "{}; scale-in to {} waits for the rollout under way",
+                    rec.reason, rec.shards
+                );
+                rec.shards = i.current;
+            }
             let p = policy::decide(a, &mut memory.history, i.now, i.current, &rec);
             let target = p.shards.max(floor);
             if target < i.current {
@@ -345,7 +361,7 @@ pub fn decide(i: &DecideInput<'_>, memory: &mut Memory) -> Decision {
         // Only a settled fleet is rebalanced: new shards must be up to receive.
         let ready = i.observation.pods.iter().filter(|p| p.ready).count();
         let settled = out.replicas == i.current && ready as i32 == i.current;
-        if settled && !i.paused {
+        if settled && !i.paused && !i.rolling {
             let orders = rebalance::plan(r, &m.shards, i.now, &mut memory.rebalance);
             if !orders.is_empty() {
                 d.shed = Some(ShedPlan {
@@ -482,6 +498,7 @@ mod tests {
             current,
             observation,
             paused: false,
+            rolling: false,
             now: 100.0,
             wall,
         }
@@ -792,6 +809,43 @@ mod tests {
         assert_eq!(d.outcome.rebalance.unwrap().max_to_mean_percent, 200);
     }
 
+    /// Issue 22, item 4: mid-rollout, a load that calls for fewer shards
+    /// scales nothing in and sheds nothing (both would close clients on
+    /// top of the rollout's drains); more load still scales out.
+    #[test]
+    fn mid_rollout_no_scale_in_and_no_shed_but_a_scale_out() {
+        let (a, r) = (autoscaling(), rebalancing());
+        let wall = t(1);
+        let obs = seen(&[
+            ("a", true, 600),
+            ("b", true, 0),
+            ("c", true, 0),
+            ("d", true, 0),
+        ]);
+        let mut i = input(Some(&a), Some(&r), 4, &obs, &wall);
+        let d = decide(&i, &mut Memory::default());
+        assert_eq!(d.outcome.replicas, 2, "600 live need 2 shards");
+        i.rolling = true;
+        let d = decide(&i, &mut Memory::default());
+        assert_eq!(d.outcome.replicas, 4);
+        assert!(d.victims.is_empty() && d.shed.is_none() && d.outcome.events.is_empty());
+        let status = d.outcome.autoscaling.unwrap();
+        assert!(
+            status
+                .reason
+                .ends_with("scale-in to 2 waits for the rollout under way"),
+            "{}",
+            status.reason
+        );
+        assert_eq!(status.desired_shards, 4);
+        let full = seen(&[("a", true, 500), ("b", true, 500)]);
+        let mut i = input(Some(&a), None, 2, &full, &wall);
+        i.rolling = true;
+        let d = decide(&i, &mut Memory::default());
+        assert!(d.outcome.replicas > 2, "1,000 live on 2 × 400: {d:?}");
+        assert_eq!(reasons(&d), [Reason::ScaledOut]);
+    }
+
     #[test]
     fn only_a_settled_fleet_is_rebalanced() {
         let r = rebalancing();
@@ -929,6 +983,8 @@ mod tests {
         read: u8,
         socket_memory_bytes: Option<i64>,
         paused: bool,
+        /// A rollout is under way.
+        rolling: bool,
         /// Seconds since the last sync.
         dt: f64,
     }
@@ -1001,10 +1057,11 @@ mod tests {
             prop_oneof![3 => Just(0u8), 2 => 1u8..=9],
             proptest::option::of(0i64..=(4 << 30)),
             prop::bool::weighted(0.15),
+            prop::bool::weighted(0.2),
             0.0f64..=40.0,
         )
             .prop_map(
-                |(follow, current, pods, settled, read, socket_memory_bytes, paused, dt)| Step {
+                |(
                     follow,
                     current,
                     pods,
@@ -1012,6 +1069,17 @@ mod tests {
                     read,
                     socket_memory_bytes,
                     paused,
+                    rolling,
+                    dt,
+                )| Step {
+                    follow,
+                    current,
+                    pods,
+                    settled,
+                    read,
+                    socket_memory_bytes,
+                    paused,
+                    rolling,
                     dt,
                 },
             )
@@ -1143,6 +1211,7 @@ mod tests {
                 current,
                 observation: &observation,
                 paused: s.paused,
+                rolling: s.rolling,
                 now,
                 wall: &wall,
             };
@@ -1186,9 +1255,13 @@ mod tests {
                         prop_assert!(d.outcome.metrics_condition.as_ref().is_some_and(|c| !c.0));
                     }
                 }
+                // While a rollout is under way, never a scale-in.
+                if i.rolling && i.autoscaling.is_some() {
+                    prop_assert!(d.outcome.replicas >= i.current, "{} < {} mid-rollout", d.outcome.replicas, i.current);
+                }
                 // Victims only on a scale-in, one per shard removed at most.
                 if !d.victims.is_empty() {
-                    prop_assert!(good_read(i) && !i.paused && i.autoscaling.is_some());
+                    prop_assert!(good_read(i) && !i.paused && !i.rolling && i.autoscaling.is_some());
                     prop_assert!(d.outcome.replicas < i.current);
                     prop_assert!(d.victims.len() <= (i.current - d.outcome.replicas) as usize);
                 }
@@ -1223,6 +1296,7 @@ mod tests {
                 if !d.shed_orders().is_empty() {
                     let ready = i.observation.pods.iter().filter(|p| p.ready).count();
                     prop_assert!(!i.paused, "shed while paused");
+                    prop_assert!(!i.rolling, "shed mid-rollout");
                     prop_assert_eq!(d.outcome.replicas, i.current, "shed while scaling");
                     prop_assert_eq!(ready as i32, i.current, "shed while shards are not ready");
                     prop_assert!(good_read(i) && i.rebalance.is_some());

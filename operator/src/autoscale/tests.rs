@@ -157,6 +157,7 @@ async fn sync(answers: Answers, pods: Vec<ShardPod>) -> (Observation, Decision) 
         current: 3,
         observation: &seen,
         paused: false,
+        rolling: false,
         now: 100.0,
         wall: &wall,
     };
