@@ -344,23 +344,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async {
-                let client = kube::Client::try_default()
+                let metrics =
+                    controller::serve_metrics((!metrics_addr.is_empty()).then_some(metrics_addr));
+                let client = controller::counting_client(metrics.clone())
                     .await
                     .context("cannot build a Kubernetes client")?;
                 let config = controller::RunConfig {
                     namespace,
                     instance,
                     manage_crd,
-                    metrics_addr: (!metrics_addr.is_empty()).then_some(metrics_addr),
                     prometheus_url: prometheus_url.filter(|u| !u.is_empty()),
                     policy,
                 };
                 match leader {
-                    None => controller::run(client, config).await,
-                    Some(leader) => {
-                        let metrics = controller::serve_metrics(config.metrics_addr.clone());
-                        leader::run(client, config, leader, metrics).await
-                    }
+                    None => controller::run(client, config, metrics).await,
+                    Some(leader) => leader::run(client, config, leader, metrics).await,
                 }
             })
         }

@@ -16,6 +16,7 @@
 //! [`crate::controller`].
 
 pub mod apply;
+pub mod cache;
 pub mod cordon;
 pub mod observe;
 pub mod report;
@@ -234,6 +235,11 @@ pub struct Context {
     loops: Mutex<HashMap<ObjectRef<ConnectionFleet>, autoscale::Memory>>,
     /// Clock of the metrics loop.
     started: Instant,
+    /// The controller's stores (`None`: every read goes to the API).
+    cache: Option<cache::Cache>,
+    /// The Deployment's `minReadySeconds` (the rollout's gate) this
+    /// process last set, per fleet: (the Deployment's uid, seconds).
+    gates: Mutex<HashMap<ObjectRef<ConnectionFleet>, (String, i32)>>,
 }
 
 impl Context {
@@ -260,7 +266,15 @@ impl Context {
             policy: Policy::default(),
             loops: Mutex::default(),
             started: Instant::now(),
+            cache: None,
+            gates: Mutex::default(),
         }
+    }
+
+    /// This context reading nodes and the fleets' objects from `cache`.
+    pub fn with_cache(mut self, cache: cache::Cache) -> Self {
+        self.cache = Some(cache);
+        self
     }
 
     /// This context under the admin's `policy` (its Prometheus reader
@@ -375,11 +389,15 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         .ok_or_else(|| Error::Malformed {
             what: format!("ConnectionFleet {name} as read has no metadata.uid"),
         })?;
-    let node = observe::node_facts(&ctx.client, fleet).await?; // client required
+    let cache = match &ctx.cache {
+        Some(c) if c.ready().await => Some(c),
+        _ => None,
+    };
+    let node = observe::node_facts(&ctx.client, cache, fleet).await?; // client required
     let plan = plan_fleet(fleet, node, &ctx.policy)?; // no client required
-    let conflict = observe::foreign_object(&ctx.client, &ns, &name, &owner.uid).await?; // client required
+    let conflict = observe::foreign_object(&ctx.client, cache, &ns, &name, &owner.uid).await?; // client required
     reject_conflict(conflict)?; // no client required
-    let current = observe::current_replicas(&ctx.client, &ns, &name).await?; // client required
+    let current = observe::current_replicas(&ctx.client, cache, &ns, &name).await?; // client required
     let failed = |error| failed(&plan, None, error);
     let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone())
         .await
@@ -387,7 +405,7 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required
     let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
     let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
-    let deployment = apply::objects(&ctx.client, &ns, &objects).await; // client required
+    let deployment = apply::objects(&ctx.client, cache, &ns, &objects).await; // client required
     let deployment = match deployment {
         Ok(deployment) => deployment,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
@@ -411,7 +429,19 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         cap_step_seconds: plan.rollout_step_seconds,
     };
     let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
-    let min_ready = deployment.spec.as_ref().and_then(|s| s.min_ready_seconds);
+    // The gate as this process last set it, else as stored: the stored
+    // Deployment may be the cache's copy (apply skipped), a watch event
+    // behind the last gate written, and a gate written back to what a stale
+    // copy shows would be skipped. Keyed by the Deployment's uid: a fleet
+    // deleted and created again starts from what is stored.
+    let key = ObjectRef::from_obj(fleet);
+    let uid = deployment.metadata.uid.clone().unwrap_or_default();
+    let stored = deployment.spec.as_ref().and_then(|s| s.min_ready_seconds);
+    let written = ctx.gates.lock().unwrap().get(&key).cloned();
+    let min_ready = written
+        .filter(|(u, _)| *u == uid)
+        .map(|(_, g)| g)
+        .or(stored);
     let (rollout, gate) = rollout
         .after(&done)
         .pace(previous, &pace, Timestamp::now(), min_ready); // no client required
@@ -419,7 +449,10 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         deployment
     } else {
         match apply::min_ready_seconds(&ctx.client, &ns, &name, gate).await {
-            Ok(deployment) => deployment,
+            Ok(deployment) => {
+                ctx.gates.lock().unwrap().insert(key, (uid, gate));
+                deployment
+            }
             Err(error) => return Err(self::failed(&plan, Some(looped), error)),
         } // client required
     };

@@ -23,6 +23,15 @@ pub struct ResultLabel {
     pub result: String,
 }
 
+/// Label of a request to the Kubernetes API: its HTTP method (`GET`, also
+/// for lists and watches; `POST`, `PUT`, `PATCH` (server-side applies
+/// too), `DELETE`), as client-go's `rest_client_requests_total` labels it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabel {
+    /// The HTTP method.
+    pub method: String,
+}
+
 /// Operator metrics.
 pub struct Metrics {
     registry: Registry,
@@ -33,6 +42,9 @@ pub struct Metrics {
     /// `c10m_operator_leader`: 1 while this replica acts (holds the leader
     /// Lease, or runs without leader election), else 0.
     pub leader: Gauge,
+    /// `c10m_operator_api_requests_total{method}`: requests this process
+    /// sent to the Kubernetes API ([`Metrics::count_request`]).
+    pub api_requests: Family<MethodLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -58,11 +70,18 @@ impl Default for Metrics {
             "1 while this replica is the leader that reconciles (always 1 without --leader-elect)",
             leader.clone(),
         );
+        let api_requests = Family::<MethodLabel, Counter>::default();
+        registry.register(
+            "api_requests",
+            "Requests sent to the Kubernetes API by HTTP method (a write is anything but GET)",
+            api_requests.clone(),
+        );
         Metrics {
             registry,
             reconciliations,
             reconcile_duration,
             leader,
+            api_requests,
         }
     }
 }
@@ -75,6 +94,15 @@ impl Metrics {
             .get_or_create(&ResultLabel { result })
             .inc();
         self.reconcile_duration.observe(took.as_secs_f64());
+    }
+
+    /// Counts one request to the Kubernetes API sent with `method`.
+    pub fn count_request(&self, method: &http::Method) {
+        self.api_requests
+            .get_or_create(&MethodLabel {
+                method: method.as_str().to_string(),
+            })
+            .inc();
     }
 
     /// Sets `c10m_operator_leader`.

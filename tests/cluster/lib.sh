@@ -34,6 +34,12 @@ C10M_POD_CIDR_PREFIX=${C10M_POD_CIDR_PREFIX:-127.1}
 C10M_NODE_CPU=${C10M_NODE_CPU:-64}
 C10M_NODE_MEMORY=${C10M_NODE_MEMORY:-256Gi}
 C10M_NODE_PODS=${C10M_NODE_PODS:-110}
+# KWOK node leases (kwok --node-lease-duration-seconds; renewed every
+# quarter of it), and extra flags for kube-controller-manager and
+# kube-scheduler (words): the scale profile (scale.env) sets them.
+C10M_NODE_LEASE_SECONDS=${C10M_NODE_LEASE_SECONDS:-40}
+C10M_KCM_EXTRA_ARGS=${C10M_KCM_EXTRA_ARGS:-}
+C10M_SCHEDULER_EXTRA_ARGS=${C10M_SCHEDULER_EXTRA_ARGS:-}
 
 # The real node (node.sh): kubelet + containerd + runc + CNI bridge on this
 # host, joined to the plane. C10M_REAL_NODE=0: up.sh leaves it out.

@@ -211,7 +211,12 @@ fn rollout_status(ns: &str) -> Value {
 fn roll(r: &Roll) -> Value {
     ensure_crd();
     PodRunner::ensure();
-    let ns = Namespace::create("rollout");
+    // One namespace per roll: the last one may still be terminating.
+    let ns = Namespace::create(if r.failover {
+        "rollout-failover"
+    } else {
+        "rollout"
+    });
     let ns = ns.0.as_str();
     let mut ops = if r.failover {
         let a = Operator::elected(ns, LEASE, &format!("{ns}-a"));

@@ -3,6 +3,8 @@
 //! (or, offline, as given), with what the runtime, kubelet and kernel of
 //! every such node allow (pure).
 
+use std::borrow::Borrow;
+
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
@@ -239,10 +241,13 @@ pub fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
 /// tolerated (`PreferNoSchedule` only steers). A node a fleet's pods cannot
 /// land on says nothing about the plan (a tainted real node with one CPU
 /// must not shrink the shards of fleets that never go there).
-pub fn placeable(nodes: &[Node], tolerations: &[Toleration]) -> Vec<Node> {
+/// Generic over how the nodes are held (`Node`, or the controller's
+/// `Arc<Node>`: 500 nodes are not copied for each reconcile).
+pub fn placeable<N: Borrow<Node> + Clone>(nodes: &[N], tolerations: &[Toleration]) -> Vec<N> {
     nodes
         .iter()
         .filter(|n| {
+            let n: &Node = (*n).borrow();
             n.spec
                 .as_ref()
                 .and_then(|s| s.taints.as_ref())
@@ -260,8 +265,8 @@ pub fn placeable(nodes: &[Node], tolerations: &[Toleration]) -> Vec<Node> {
 /// the bound the schema puts on the same `spec.node` field, with the
 /// [`NodeRuntime`] facts that hold on all of them. `None` when the list is
 /// empty or no node reports allocatable.
-pub fn observed(nodes: &[Node]) -> Option<NodeFacts> {
-    let runtimes: Vec<NodeRuntime> = nodes.iter().map(NodeRuntime::of).collect();
+pub fn observed<N: Borrow<Node>>(nodes: &[N]) -> Option<NodeFacts> {
+    let runtimes: Vec<NodeRuntime> = nodes.iter().map(|n| NodeRuntime::of(n.borrow())).collect();
     let mut runtime = runtimes
         .iter()
         .copied()
@@ -275,7 +280,7 @@ pub fn observed(nodes: &[Node]) -> Option<NodeFacts> {
     nodes
         .iter()
         .filter_map(|n| {
-            let alloc = n.status.as_ref()?.allocatable.as_ref()?;
+            let alloc = n.borrow().status.as_ref()?.allocatable.as_ref()?;
             Some(NodeFacts {
                 memory_bytes: observed_units(alloc.get("memory")?, MAX_NODE_MEMORY_BYTES)?,
                 cpus: observed_units(alloc.get("cpu")?, MAX_NODE_CPUS)?,

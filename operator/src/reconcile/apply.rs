@@ -9,11 +9,13 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::Store;
 use kube::{Client, Resource};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Error;
+use super::cache::{self, Cache};
 use crate::names::{FIELD_MANAGER, ROLLOUT_FIELD_MANAGER, labels, secret_name};
 use crate::render::Rendered;
 
@@ -33,11 +35,46 @@ where
 
 /// Applies the Deployment, Service and PodDisruptionBudget (in that order,
 /// stopping at the first failure) and returns the Deployment as stored.
-pub async fn objects(client: &Client, ns: &str, objects: &Rendered) -> Result<Deployment, Error> {
-    let deployment = apply(&Api::namespaced(client.clone(), ns), &objects.deployment).await?;
-    apply(&Api::namespaced(client.clone(), ns), &objects.service).await?;
-    apply(&Api::namespaced(client.clone(), ns), &objects.pdb).await?;
+/// One the `cache` holds already as rendered ([`cache::unchanged`]) is not
+/// applied: its stored copy stands for it.
+pub async fn objects(
+    client: &Client,
+    cache: Option<&Cache>,
+    ns: &str,
+    objects: &Rendered,
+) -> Result<Deployment, Error> {
+    let deployment = ensure(
+        client,
+        ns,
+        cache.map(|c| &c.deployments),
+        &objects.deployment,
+    )
+    .await?;
+    ensure(client, ns, cache.map(|c| &c.services), &objects.service).await?;
+    ensure(client, ns, cache.map(|c| &c.pdbs), &objects.pdb).await?;
     Ok(deployment)
+}
+
+/// `want` as stored: the `store`'s copy when it holds `want` already, else
+/// `want` applied.
+async fn ensure<K>(
+    client: &Client,
+    ns: &str,
+    store: Option<&Store<K>>,
+    want: &K,
+) -> Result<K, Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Serialize
+        + DeserializeOwned
+        + Clone
+        + std::fmt::Debug
+        + 'static,
+{
+    match store.and_then(|s| cache::unchanged(s, ns, want)) {
+        Some(stored) => Ok(stored),
+        None => apply(&Api::namespaced(client.clone(), ns), want).await,
+    }
 }
 
 /// Sets the Deployment `name`'s `spec.minReadySeconds`, the gate between a

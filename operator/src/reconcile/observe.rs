@@ -3,6 +3,8 @@
 //! way, the replicas its Deployment runs now, and (after the apply) the
 //! ReplicaSets and pods its workload's failures show on.
 
+use std::sync::Arc;
+
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Node, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -11,6 +13,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use super::Error;
+use super::cache::{self, Cache};
 use crate::api::ConnectionFleet;
 use crate::api::status::NodeSource;
 use crate::names::{FLEET_LABEL, secret_name};
@@ -37,25 +40,38 @@ pub async fn fleet(
 /// it tolerates, `spec.node`
 /// only where it is smaller ([`nodes::resolve_sourced`]). The nodes are
 /// listed even when `spec.node` gives every size: a fleet's claim never
-/// sizes node-level limits past the real node. The inner error is the
-/// plan's (no profile), the outer one an API failure.
+/// sizes node-level limits past the real node. The nodes come from the
+/// `cache` when there is one (the controller's node watch), else from a
+/// list. The inner error is the plan's (no profile), the outer one an API
+/// failure.
 pub async fn node_facts(
     client: &Client,
+    cache: Option<&Cache>,
     fleet: &ConnectionFleet,
 ) -> Result<Result<(NodeFacts, NodeSource), PlanError>, Error> {
-    let selector = fleet
-        .spec
-        .placement
-        .node_selector
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let list = Api::<Node>::all(client.clone())
-        .list(&ListParams::default().labels(&selector))
-        .await
-        .map_err(|source| Error::Nodes { source })?;
-    let placeable = nodes::placeable(&list.items, &fleet.spec.placement.tolerations);
+    let wanted = &fleet.spec.placement.node_selector;
+    let matching: Vec<Arc<Node>> = match cache {
+        Some(c) => c.nodes.state_filter(|n| {
+            let labels = n.labels();
+            wanted.iter().all(|(k, v)| labels.get(k) == Some(v))
+        }),
+        None => {
+            let selector = wanted
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            Api::<Node>::all(client.clone())
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .map_err(|source| Error::Nodes { source })?
+                .items
+                .into_iter()
+                .map(Arc::new)
+                .collect()
+        }
+    };
+    let placeable = nodes::placeable(&matching, &fleet.spec.placement.tolerations);
     Ok(nodes::resolve_sourced(
         &fleet.spec,
         nodes::observed(&placeable),
@@ -65,22 +81,34 @@ pub async fn node_facts(
 /// The first object the fleet would own (Deployment, Service,
 /// PodDisruptionBudget, admin Secret) that exists but is controlled by
 /// something else: a message naming it. The operator never adopts or
-/// rewrites such an object.
+/// rewrites such an object. An object the `cache` holds is read from it
+/// (it carries the operator's labels, but the owner is still checked);
+/// others are read through the API.
 pub async fn foreign_object(
     client: &Client,
+    cache: Option<&Cache>,
     ns: &str,
     name: &str,
     uid: &str,
 ) -> Result<Option<String>, Error> {
-    async fn check<K>(api: Api<K>, name: &str, uid: &str) -> Result<Option<String>, Error>
+    async fn check<K>(
+        api: Api<K>,
+        store: Option<&kube::runtime::reflector::Store<K>>,
+        name: &str,
+        uid: &str,
+    ) -> Result<Option<String>, Error>
     where
-        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + 'static,
     {
         let kind = K::kind(&());
-        let obj = api
-            .get_opt(name)
-            .await
-            .map_err(Error::observe(format!("get {kind} {name}")))?;
+        let cached = store.and_then(|s| cache::get(s, api.namespace().unwrap_or_default(), name));
+        let obj = match cached {
+            Some(o) => Some((*o).clone()),
+            None => api
+                .get_opt(name)
+                .await
+                .map_err(Error::observe(format!("get {kind} {name}")))?,
+        };
         let ours = |o: &K| {
             o.meta()
                 .owner_references
@@ -93,16 +121,30 @@ pub async fn foreign_object(
         }))
     }
     let found = [
-        check(Api::<Deployment>::namespaced(client.clone(), ns), name, uid).await?,
-        check(Api::<Service>::namespaced(client.clone(), ns), name, uid).await?,
+        check(
+            Api::<Deployment>::namespaced(client.clone(), ns),
+            cache.map(|c| &c.deployments),
+            name,
+            uid,
+        )
+        .await?,
+        check(
+            Api::<Service>::namespaced(client.clone(), ns),
+            cache.map(|c| &c.services),
+            name,
+            uid,
+        )
+        .await?,
         check(
             Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+            cache.map(|c| &c.pdbs),
             name,
             uid,
         )
         .await?,
         check(
             Api::<Secret>::namespaced(client.clone(), ns),
+            None,
             &secret_name(name),
             uid,
         )
@@ -111,13 +153,23 @@ pub async fn foreign_object(
     Ok(found.into_iter().flatten().next())
 }
 
-/// Replicas the fleet's Deployment runs now (`None` before it exists).
-pub async fn current_replicas(client: &Client, ns: &str, name: &str) -> Result<Option<i32>, Error> {
-    Ok(Api::<Deployment>::namespaced(client.clone(), ns)
-        .get_opt(name)
-        .await
-        .map_err(Error::observe(format!("get Deployment {name}")))?
-        .and_then(|d| d.spec.and_then(|s| s.replicas)))
+/// Replicas the fleet's Deployment runs now (`None` before it exists),
+/// from the `cache` when it holds the Deployment.
+pub async fn current_replicas(
+    client: &Client,
+    cache: Option<&Cache>,
+    ns: &str,
+    name: &str,
+) -> Result<Option<i32>, Error> {
+    let cached = cache.and_then(|c| cache::get(&c.deployments, ns, name));
+    let deployment = match cached {
+        Some(d) => Some((*d).clone()),
+        None => Api::<Deployment>::namespaced(client.clone(), ns)
+            .get_opt(name)
+            .await
+            .map_err(Error::observe(format!("get Deployment {name}")))?,
+    };
+    Ok(deployment.and_then(|d| d.spec.and_then(|s| s.replicas)))
 }
 
 /// The fleet's ReplicaSets and, while its Deployment has fewer ready
@@ -158,9 +210,15 @@ pub async fn workload(
         .as_ref()
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
+    // Two ReplicaSets that want or run pods: a rollout, even before the new
+    // one's first pod exists (its status still says 0) and before the
+    // Deployment's status says anything.
     let rolling = replica_sets
         .iter()
-        .filter(|rs| rs.status.as_ref().is_some_and(|s| s.replicas > 0))
+        .filter(|rs| {
+            rs.spec.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0
+                || rs.status.as_ref().is_some_and(|s| s.replicas > 0)
+        })
         .count()
         > 1;
     let pods = if ready < wanted || rolling {

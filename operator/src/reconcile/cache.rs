@@ -1,0 +1,183 @@
+//! Cache (no client): what the controller's watches hold, so that a
+//! reconcile reads the nodes and the fleet's own objects from memory and
+//! skips an apply that would change nothing (issue 23). A server-side apply
+//! that changes nothing is still a request, counted as a write, and some
+//! still bump the resourceVersion (kubernetes#121404, #124605): at 1,000
+//! fleets each periodic resync applied three objects for nothing.
+//!
+//! The stores are fed by the controller's own watches
+//! ([`crate::controller`]): nodes (all of them; a fleet's profile is the
+//! nodes its selector matches), and the Deployments, Services and
+//! PodDisruptionBudgets labelled as managed by the operator, each kept
+//! without `managedFields` (and nodes without their image lists), which are
+//! most of an object's bytes and are read by no reconcile.
+//!
+//! A store lags the API by a watch event: an object the cache has not seen
+//! yet is read or applied through the API as before, and an object changed
+//! behind the operator's back triggers a reconcile that finds the change in
+//! the store. [`difference`] decides what "would change nothing" means.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::Resource;
+use kube::runtime::reflector::{ObjectRef, Store};
+use serde::Serialize;
+use serde_json::Value;
+
+/// How long a reconcile waits for the stores' first lists after a start
+/// (or a leader's takeover) before it reads through the API instead.
+pub const READY_WAIT: Duration = Duration::from_secs(30);
+
+/// The controller's stores.
+#[derive(Clone)]
+pub struct Cache {
+    /// Every node (without managedFields and `status.images`).
+    pub nodes: Store<Node>,
+    /// The operator's Deployments (without managedFields).
+    pub deployments: Store<Deployment>,
+    /// The operator's Services (without managedFields).
+    pub services: Store<Service>,
+    /// The operator's PodDisruptionBudgets (without managedFields).
+    pub pdbs: Store<PodDisruptionBudget>,
+}
+
+impl Cache {
+    /// Waits (at most [`READY_WAIT`]) until every store has had its first
+    /// list; `false` if one has not.
+    pub async fn ready(&self) -> bool {
+        let all = async {
+            self.nodes.wait_until_ready().await.is_ok()
+                && self.deployments.wait_until_ready().await.is_ok()
+                && self.services.wait_until_ready().await.is_ok()
+                && self.pdbs.wait_until_ready().await.is_ok()
+        };
+        tokio::time::timeout(READY_WAIT, all).await.unwrap_or(false)
+    }
+}
+
+/// The object `ns`/`name` in `store`, if the watch has seen it.
+pub fn get<K>(store: &Store<K>, ns: &str, name: &str) -> Option<Arc<K>>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    store.get(&ObjectRef::new(name).within(ns))
+}
+
+/// The stored object when it already holds everything `want` sets
+/// ([`difference`] finds nothing): applying `want` would change nothing.
+pub fn unchanged<K>(store: &Store<K>, ns: &str, want: &K) -> Option<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Serialize + 'static,
+{
+    let name = want.meta().name.as_deref()?;
+    let live = get(store, ns, name)?;
+    let (l, w) = (
+        serde_json::to_value(&*live).ok()?,
+        serde_json::to_value(want).ok()?,
+    );
+    match difference(&l, &w, "") {
+        None => Some((*live).clone()),
+        Some(path) => {
+            tracing::debug!(kind = %K::kind(&()), %name, %path, "stored object differs: apply");
+            None
+        }
+    }
+}
+
+/// The first path (`.spec.replicas`, `.spec.template.spec.containers[0]`)
+/// where `live` does not hold what `want` sets; `None` when it holds all of
+/// it. `want` is a server-side apply body: every field it sets must be in
+/// `live` with the same value; fields only `live` has (defaults, status,
+/// other managers' fields) do not count; a field `want` sets to null, `[]`
+/// or `{}` matches one `live` leaves out (the API server drops empty
+/// values). Lists must have the same length and match element by element:
+/// a list another manager added to (a webhook's sidecar) is applied again,
+/// which the apply leaves as it is. Values compare exactly, so a quantity
+/// the API server rewrites (`1000m` → `1`) counts as a difference and the
+/// object is applied: never a skipped change, at worst an apply for
+/// nothing.
+pub fn difference(live: &Value, want: &Value, path: &str) -> Option<String> {
+    let empty = |v: &Value| match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    };
+    match (live, want) {
+        (_, Value::Null) => None,
+        (Value::Object(l), Value::Object(w)) => w.iter().find_map(|(k, wv)| {
+            let at = format!("{path}.{k}");
+            match l.get(k) {
+                Some(lv) => difference(lv, wv, &at),
+                None => (!empty(wv)).then_some(at),
+            }
+        }),
+        (Value::Array(l), Value::Array(w)) if l.len() == w.len() => l
+            .iter()
+            .zip(w)
+            .enumerate()
+            .find_map(|(i, (lv, wv))| difference(lv, wv, &format!("{path}[{i}]"))),
+        (Value::Null, w) if empty(w) => None,
+        (l, w) if l == w => None,
+        _ => Some(if path.is_empty() {
+            ".".into()
+        } else {
+            path.into()
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn what_the_api_server_adds_is_no_difference() {
+        let want = json!({"metadata": {"name": "f", "labels": {"a": "1"}},
+                          "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "s", "args": []}]}}}});
+        let live = json!({"metadata": {"name": "f", "labels": {"a": "1"}, "resourceVersion": "7",
+                                       "annotations": {"deployment.kubernetes.io/revision": "1"}},
+                          "spec": {"replicas": 2, "revisionHistoryLimit": 10,
+                                   "template": {"spec": {"containers": [{"name": "s", "imagePullPolicy": "IfNotPresent"}]}}},
+                          "status": {"replicas": 2}});
+        assert_eq!(difference(&live, &want, ""), None);
+    }
+
+    #[test]
+    fn a_changed_missing_or_extra_value_is_a_difference_named_by_its_path() {
+        let want = json!({"spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "s", "image": "b"}]}}}});
+        let live = json!({"spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "s", "image": "a"}]}}}});
+        assert_eq!(
+            difference(&live, &want, "").as_deref(),
+            Some(".spec.template.spec.containers[0].image")
+        );
+        let live = json!({"spec": {"replicas": 2}});
+        assert_eq!(
+            difference(&live, &want, "").as_deref(),
+            Some(".spec.replicas")
+        );
+        let live = json!({"spec": {"replicas": 3}});
+        assert_eq!(
+            difference(&live, &want, "").as_deref(),
+            Some(".spec.template")
+        );
+        // A sidecar another manager added: the lists differ in length.
+        let live = json!({"spec": {"replicas": 3, "template": {"spec": {"containers": [
+            {"name": "s", "image": "b"}, {"name": "proxy"}]}}}});
+        assert_eq!(
+            difference(&live, &want, "").as_deref(),
+            Some(".spec.template.spec.containers")
+        );
+        // A quantity the API server rewrote compares as a difference.
+        assert_eq!(
+            difference(&json!({"cpu": "1"}), &json!({"cpu": "1000m"}), "").as_deref(),
+            Some(".cpu")
+        );
+        assert_eq!(difference(&json!(1), &json!(2), "").as_deref(), Some("."));
+    }
+}
