@@ -48,6 +48,29 @@ fn lean_node(n: &mut Node) {
     }
 }
 
+/// The objects `api` holds under `wc` as they change, each made `lean`
+/// and kept in `writer`'s store before it triggers anything.
+fn stored<K>(
+    api: Api<K>,
+    wc: watcher::Config,
+    lean: fn(&mut K),
+    writer: reflector::store::Writer<K>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    watcher(api, wc)
+        .modify(lean)
+        .reflect(writer)
+        .applied_objects()
+}
+
 /// How `c10m-operator run` runs.
 #[derive(Clone, Debug, Default)]
 pub struct RunConfig {
@@ -225,38 +248,22 @@ pub async fn run_controller(
         namespace = namespace.as_deref().unwrap_or("<all>"),
         "c10m-operator controller starting"
     );
-    let fleet_events = watcher(fleets, watcher::Config::default())
-        .modify(lean)
-        .reflect(fleet_writer)
-        .applied_objects();
+    let fleet_events = stored(fleets, watcher::Config::default(), lean, fleet_writer);
     let controller = Controller::for_stream(fleet_events, fleet_store)
         .with_config(controller::Config::default().concurrency(CONCURRENCY))
-        .owns_stream(
-            watcher(deps, owned.clone())
-                .modify(lean)
-                .reflect(deployment_writer)
-                .applied_objects(),
-        )
-        .owns_stream(
-            watcher(svcs, owned.clone())
-                .modify(lean)
-                .reflect(service_writer)
-                .applied_objects(),
-        )
-        .owns_stream(
-            watcher(pdbs, owned)
-                .modify(lean)
-                .reflect(pdb_writer)
-                .applied_objects(),
-        );
+        .owns_stream(stored(deps, owned.clone(), lean, deployment_writer))
+        .owns_stream(stored(svcs, owned.clone(), lean, service_writer))
+        .owns_stream(stored(pdbs, owned, lean, pdb_writer));
     // Node profiles come from nodes' labels and allocatable: re-plan every
     // fleet when those change (not on the frequent node status heartbeats).
     let store = controller.store();
-    let node_profiles = watcher(Api::<Node>::all(client), watcher::Config::default())
-        .modify(lean_node)
-        .reflect(node_writer)
-        .applied_objects()
-        .predicate_filter(node_profile_hash, PredicateConfig::default());
+    let node_profiles = stored(
+        Api::<Node>::all(client),
+        watcher::Config::default(),
+        lean_node,
+        node_writer,
+    )
+    .predicate_filter(node_profile_hash, PredicateConfig::default());
     controller
         .watches_stream(node_profiles, move |_node| {
             store

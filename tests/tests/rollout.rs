@@ -64,6 +64,20 @@ struct Roll {
 }
 
 impl Roll {
+    /// Issue 22's roll: 4 shards holding 4,000 clients, a 200/s budget at
+    /// a 100/s drain rate (two shards a step), no pause, one operator.
+    fn four_shards() -> Roll {
+        Roll {
+            shards: 4,
+            clients: 4000,
+            budget: 200,
+            drain_rate: 100,
+            per_cpu: 1500,
+            pause: None,
+            failover: false,
+        }
+    }
+
     /// Old shards removed per step: the budget over the drain rate.
     fn surge(&self) -> u64 {
         self.budget / self.drain_rate
@@ -529,13 +543,8 @@ fn check(fig: &Value) {
 #[test]
 fn a_rollout_restart_moves_every_client_once_within_the_budget() {
     let fig = roll(&Roll {
-        shards: 4,
-        clients: 4000,
-        budget: 200,
-        drain_rate: 100,
-        per_cpu: 1500,
         pause: Some(Duration::from_secs(10)),
-        failover: false,
+        ..Roll::four_shards()
     });
     check(&fig);
 }
@@ -548,13 +557,8 @@ fn a_rollout_restart_moves_every_client_once_within_the_budget() {
 #[test]
 fn killing_the_leader_mid_rollout_keeps_the_budget_and_moves_every_client_once() {
     let fig = roll(&Roll {
-        shards: 4,
-        clients: 4000,
-        budget: 200,
-        drain_rate: 100,
-        per_cpu: 1500,
-        pause: None,
         failover: true,
+        ..Roll::four_shards()
     });
     check(&fig);
 }
