@@ -61,6 +61,10 @@ struct Roll {
     /// Two operators elect a leader (the chart's default), and the leader
     /// is SIGKILLed as the first step's shards start to drain.
     failover: bool,
+    /// A second `kubectl rollout restart` (a third revision) as the first
+    /// step's shards start to drain: the shards of the interrupted
+    /// revision turn old as well.
+    third_revision: bool,
 }
 
 impl Roll {
@@ -75,6 +79,7 @@ impl Roll {
             per_cpu: 1500,
             pause: None,
             failover: false,
+            third_revision: false,
         }
     }
 
@@ -217,8 +222,10 @@ fn rollout_status(ns: &str) -> Value {
 
 /// Rolls a fleet as `r` says and returns what the clients and the fleet
 /// showed: `{"shards", "connections", "budget", "peakClosesPerSecond",
-/// "movedTwice", "reachedOldRevision", "durationSeconds", "idealSeconds",
-/// "podStartSeconds", "mostPods", "surge", "closedWhilePaused"}`. Asserts
+/// "movedTwice", "movedTwiceAllowed", "mostClosesPerClient",
+/// "revisionChanges", "reachedOldRevision", "durationSeconds",
+/// "idealSeconds", "podStartSeconds", "mostPods", "surge",
+/// "closedWhilePaused"}`. Asserts
 /// what must hold for the figures to mean anything (every client held at
 /// the end, each closed by the server with 1001, the fleet complete);
 /// [`check`] asserts the bounds.
@@ -357,13 +364,22 @@ fn roll(r: &Roll) -> Value {
     }
     // Every old shard still there is cordoned: from here on, every
     // connection one accepts is a reconnect that reached an old revision.
-    let mut accepted: BTreeMap<String, (i64, i64)> = old
+    // By pod name: (IP, accepted at its cordon, accepted last seen).
+    let mut accepted: BTreeMap<String, (String, i64, i64)> = old
         .iter()
         .filter_map(|p| {
             let n = metric_sum(&p.ip, "c10m_connections_accepted_total")?;
-            Some((p.ip.clone(), (n, n)))
+            Some((p.name.clone(), (p.ip.clone(), n, n)))
         })
         .collect();
+    // The revisions rolled away from (the interrupted one joins with
+    // `third_revision`), and the one rolled to.
+    let mut old_hashes = vec![old_hash.clone()];
+    let mut target_hash = new_hash.clone();
+    let mut restarted_again: Option<Instant> = None;
+    // Clients the interrupted revision's shards held when first seen
+    // cordoned or draining: the only ones a third revision may move again.
+    let mut interrupted_held = 0;
 
     // Completion: every shard updated, the old ones gone, every client held
     // by an updated shard.
@@ -373,20 +389,49 @@ fn roll(r: &Roll) -> Value {
     let mut killed: Option<(usize, Instant)> = None;
     let finals = wait_for("the rollout to complete", timeout, || {
         // KWOK hands a deleted pod's IP to the next pod: an IP counts as
-        // the old shard's only while its old pod is there before and after
-        // the read.
-        let holds = |ip: &str| pods(ns).iter().any(|p| p.ip == ip && p.hash == old_hash);
-        for (ip, (_, last)) in accepted.iter_mut() {
-            if !holds(ip) {
+        // the old shard's only while its pod is there before and after the
+        // read.
+        let holds = |name: &str, ip: &str| pods(ns).iter().any(|p| p.name == name && p.ip == ip);
+        for (name, (ip, _, last)) in accepted.iter_mut() {
+            if !holds(name, ip) {
                 continue;
             }
             let n = metric_sum(ip, "c10m_connections_accepted_total");
-            if let Some(n) = n.filter(|_| holds(ip)) {
+            if let Some(n) = n.filter(|_| holds(name, ip)) {
                 *last = (*last).max(n);
             }
         }
         most_pods = most_pods.max(fleet_pods(ns, FLEET).len());
         let stepped = pods(ns).iter().filter(|p| p.hash == old_hash).count() < shards;
+        if r.third_revision && restarted_again.is_none() && stepped {
+            kubectl(&["rollout", "restart", "-n", ns, &deployment]);
+            restarted_again = Some(Instant::now());
+            println!(
+                "FIGURE third_revision_at_seconds={:.1}",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        if restarted_again.is_some()
+            && target_hash == new_hash
+            && let Some(h) = newest_hash(ns).filter(|h| *h != new_hash)
+        {
+            old_hashes.push(new_hash.clone());
+            target_hash = h;
+        }
+        // The interrupted revision's shards count as old from their cordon
+        // (or their drain) on.
+        if old_hashes.len() > 1 {
+            for p in pods(ns) {
+                if p.hash != new_hash || accepted.contains_key(&p.name) || healthz(&p.ip) != 503 {
+                    continue;
+                }
+                let n = metric_sum(&p.ip, "c10m_connections_accepted_total");
+                if let (Some(n), Some(held)) = (n, connections(&p.ip)) {
+                    interrupted_held += held;
+                    accepted.insert(p.name.clone(), (p.ip.clone(), n, n));
+                }
+            }
+        }
         if r.failover && killed.is_none() && stepped {
             let leader = ops
                 .iter()
@@ -404,7 +449,7 @@ fn roll(r: &Roll) -> Value {
         let done = f["status"]["rollout"].is_null()
             && f["status"]["updatedShards"] == r.shards
             && now.len() == shards
-            && now.iter().all(|p| p.hash == new_hash);
+            && now.iter().all(|p| p.hash == target_hash);
         if !done {
             return None;
         }
@@ -448,7 +493,7 @@ fn roll(r: &Roll) -> Value {
         .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap()))
         .collect();
     let peak = by_second.values().copied().max().unwrap_or(0);
-    let reached_old: i64 = accepted.values().map(|(first, last)| last - first).sum();
+    let reached_old: i64 = accepted.values().map(|(_, first, last)| last - first).sum();
     // Nothing closed while paused (the seconds strictly inside the pause).
     let closed_paused: u64 = paused_window.map_or(0, |(from, to)| {
         by_second.range(from + 1..to).map(|(_, n)| n).sum()
@@ -498,9 +543,12 @@ fn roll(r: &Roll) -> Value {
         "surge": r.surge(),
         "peakClosesPerSecond": peak,
         "movedTwice": report["clientsClosedTwice"],
+        "movedTwiceAllowed": interrupted_held,
+        "mostClosesPerClient": report["mostClosesPerClient"],
+        "revisionChanges": old_hashes.len(),
         "reachedOldRevision": reached_old,
         "durationSeconds": (rolled * 10.0).round() / 10.0,
-        "idealSeconds": r.clients as f64 / r.budget as f64,
+        "idealSeconds": (r.clients as i64 + interrupted_held) as f64 / r.budget as f64,
         "podStartSeconds": (pod_start.as_secs_f64() * 10.0).round() / 10.0,
         "mostPods": most_pods,
         "closedWhilePaused": closed_paused,
@@ -509,8 +557,10 @@ fn roll(r: &Roll) -> Value {
 }
 
 /// The bounds of issue 22 on a roll's figures ([`roll`]): peak closes in
-/// any 1 s window ≤ 1.1 × the budget, 0 clients moved twice, 0 reconnects
-/// accepted by an old-revision shard, 0 closes while paused, pods (KWOK
+/// any 1 s window ≤ 1.1 × the budget, 0 clients moved twice (with a third
+/// revision: no more than the interrupted revision's shards held, and none
+/// closed more than once per revision change), 0 reconnects accepted by an
+/// old-revision shard after its cordon, 0 closes while paused, pods (KWOK
 /// removes a deleted pod at once, so Terminating ones never show here)
 /// ≤ shards + surge, and the duration, the pause left out, ≤ 1.3 × the
 /// ideal (every client closed at the budget) + 2 pod starts (the first
@@ -529,7 +579,14 @@ fn check(fig: &Value) {
         fig["mostPods"],
     );
     assert!(f("peakClosesPerSecond") <= 1.1 * budget, "peak: {fig}");
-    assert_eq!(fig["movedTwice"], 0, "{fig}");
+    assert!(
+        f("movedTwice") <= f("movedTwiceAllowed"),
+        "moved twice: {fig}"
+    );
+    assert!(
+        f("mostClosesPerClient") <= f("revisionChanges"),
+        "moved more than once per revision change: {fig}"
+    );
     assert_eq!(fig["reachedOldRevision"], 0, "{fig}");
     assert_eq!(fig["closedWhilePaused"], 0, "{fig}");
     assert!(f("mostPods") <= f("shards") + f("surge"), "pods: {fig}");
@@ -566,6 +623,24 @@ fn killing_the_leader_mid_rollout_keeps_the_budget_and_moves_every_client_once()
 /// `make bench-rollout`: 8 shards, 16,000 clients, a 400/s budget (two
 /// shards a step at 200/s each); writes `target/bench/rollout.json`, then
 /// checks the same bounds as the test.
+/// Issue 22, item 3: a new template while a rollout is under way (a second
+/// `kubectl rollout restart` as the first step's shards drain). The
+/// interrupted revision's shards should turn old, be cordoned with the rest
+/// and drain in later steps, so that a client moves at most once per
+/// revision change, and only clients those shards held move twice. The
+/// Deployment controller removes the cordoned (unready) old shards at once
+/// instead (ADR 0011, "A third revision mid-rollout"): this test fails
+/// today, and stays out of `make test` until the mechanism holds it.
+#[test]
+#[ignore = "known gap: a third revision breaks the budget (ADR 0011)"]
+fn a_third_revision_mid_rollout_moves_each_client_once_per_revision_change() {
+    let fig = roll(&Roll {
+        third_revision: true,
+        ..Roll::four_shards()
+    });
+    check(&fig);
+}
+
 #[test]
 #[ignore = "make bench-rollout"]
 fn bench_rollout() {
@@ -577,6 +652,7 @@ fn bench_rollout() {
         per_cpu: 2800,
         pause: None,
         failover: false,
+        third_revision: false,
     });
     let out = workspace().join("target/bench/rollout.json");
     std::fs::create_dir_all(out.parent().unwrap()).unwrap();
