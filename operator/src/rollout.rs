@@ -105,6 +105,11 @@ pub struct Rollout {
     /// older template, whether or not their pods exist (pods refused by the
     /// API never do).
     pub old_replicas: i32,
+    /// Shards not terminating that carried a cordon record when observed,
+    /// of any revision, before this reconcile's orders: fewer than the last
+    /// status's `cordonedShards` means cordoned shards were removed (a
+    /// step), even when a new revision turned more shards old.
+    pub cordons_seen: i32,
 }
 
 /// What to tell the shards' admin endpoints.
@@ -217,7 +222,9 @@ impl Rollout {
     /// (`previous`), and the Deployment's `minReadySeconds` to set, the gate
     /// between steps (`current`: what it is now).
     ///
-    /// A step is seen when fewer old shards serve than `previous` counted:
+    /// A step is seen when fewer old shards serve than `previous` counted,
+    /// or fewer pods carry a cordon record than it counted cordoned (a new
+    /// revision turns more shards old as the oldest go):
     /// they drain from now for `previous.stepSeconds`, until
     /// `drainingUntil`, which the status keeps (so a new leader or a
     /// restarted operator waits for it too, and the fleet's rollout is
@@ -244,12 +251,17 @@ impl Rollout {
         let Some(mut st) = self.status.take() else {
             return (self, cap as i32);
         };
-        let stepped = previous.filter(|p| p.old_shards > st.old_shards);
+        // Removed: fewer old shards serve, or fewer cordoned ones are left
+        // (a new revision turns more shards old as the oldest go).
+        let removed = previous.map_or(0, |p| {
+            (p.old_shards - st.old_shards).max(p.cordoned_shards - self.cordons_seen)
+        });
+        let stepped = previous.filter(|_| removed > 0);
         let (last_step, until, step_shards) = match stepped {
             Some(p) => (
                 Some(now),
                 Some(now + SignedDuration::from_secs(p.step_seconds.max(0))),
-                p.old_shards - st.old_shards,
+                removed,
             ),
             None => previous.map_or((None, None, 0), |p| {
                 let t = |t: &Option<Time>| t.as_ref().map(|t| t.0);
@@ -397,11 +409,16 @@ pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod
         })
         .filter_map(|rs| rs.spec.as_ref()?.replicas)
         .sum();
+    let cordons_seen = shards
+        .iter()
+        .filter(|s| s.cordoned && !s.terminating)
+        .count() as i32;
     Rollout {
         status,
         shards,
         old_replicas,
         cordoned_now: false,
+        cordons_seen,
     }
 }
 
@@ -723,6 +740,37 @@ mod tests {
         let r = observe(&deployment(4, 4, false), &sets, &pods);
         let (r, gate) = r.pace(Some(&st4), &PACE, at(27), Some(11));
         assert_eq!((r.status, gate), (None, 16));
+    }
+
+    /// Issue 22, item 3: a new template as a step's cordoned shards go
+    /// turns the interrupted revision's shards old, so more old shards serve
+    /// than before; the step is still seen, from the cordoned shards that
+    /// are gone, and paced.
+    #[test]
+    fn a_step_is_seen_when_a_new_revision_turns_more_shards_old() {
+        let sets = [rs("1", "r1"), rs("2", "r2")];
+        let pods = [
+            shard_pod("a1", "r2", 3, None),
+            shard_pod("a2", "r2", 3, None),
+            shard_pod("a3", "r2", 8, None),
+            shard_pod("a4", "r2", 8, None),
+            shard_pod("o1", "r1", -100, Some("1000")),
+            shard_pod("o2", "r1", -100, Some("1000")),
+        ];
+        let r = observe(&deployment(4, 4, false), &sets, &pods);
+        let (r, _) = r.pace(None, &PACE, at(9), Some(16));
+        let st = r.status.unwrap();
+        assert_eq!((st.old_shards, st.cordoned_shards), (2, 2));
+        // Revision 3 appears; the controller removes the two cordoned r1
+        // shards at once. Four r2 shards are old now, none cordoned yet.
+        let sets = [rs("1", "r1"), rs("2", "r2"), rs("3", "r3")];
+        let r = observe(&deployment(4, 0, false), &sets, &pods[..4]);
+        let (r, _) = r.pace(Some(&st), &PACE, at(12), Some(8));
+        let st3 = r.status.clone().unwrap();
+        assert_eq!((st3.revision, st3.old_shards), (3, 4));
+        assert_eq!(st3.draining_shards, 2, "the two r1 shards drain");
+        assert_eq!(st3.draining_until, Some(Time(at(12 + 11))));
+        assert_eq!(st3.closes_per_second, 200);
     }
 
     #[test]

@@ -4,7 +4,11 @@
 //! [`CORDONED_ANNOTATION`] records it (set to the connections the shard
 //! reported holding, or removed), so the order is sent once, survives a
 //! restart or a change of leader, and what the shard must still close
-//! paces the rollout ([`crate::rollout::Rollout::pace`]).
+//! paces the rollout ([`crate::rollout::Rollout::pace`]). A cordoned shard
+//! also gets a pod-deletion-cost of minus what it held, so its ReplicaSet
+//! removes the fullest old shards first: each step then lasts as long as
+//! its own fullest shard's drain, which is what the step is paced by, and
+//! the emptier shards go in shorter steps at the end.
 //!
 //! A shard that does not answer (starting, gone, unreachable) keeps its
 //! annotation as it was and gets the order again on the next reconcile; a
@@ -21,7 +25,7 @@ use c10m_wire::admin::{CORDON_PATH, UNCORDON_PATH};
 
 use super::Error;
 use crate::autoscale::act;
-use crate::names::CORDONED_ANNOTATION;
+use crate::names::{CORDONED_ANNOTATION, POD_DELETION_COST};
 use crate::rollout::{Orders, Shard};
 
 /// Sends `orders` to the shards of namespace `ns` (admin `port`, bearer
@@ -58,10 +62,7 @@ pub async fn carry_out(
             }
         };
         let held = on.then(|| held(&answer)).flatten();
-        // An answer without a count still records the cordon; the rollout
-        // then paces the shard as holding its cap.
-        let value = on.then(|| held.map_or_else(|| "unknown".to_string(), |n| n.to_string()));
-        let patch = serde_json::json!({"metadata": {"annotations": {CORDONED_ANNOTATION: value}}});
+        let patch = record(on, held);
         pods.patch(&shard.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(|source| Error::Rollout {
@@ -79,6 +80,22 @@ pub async fn carry_out(
         }
     }
     Ok(done)
+}
+
+/// The pod annotations that record an order carried out: a cordon with
+/// what the shard `held` (`unknown` when it did not say: the rollout then
+/// paces it as holding its cap) and a pod-deletion-cost of minus that
+/// (the fullest goes first; none when unknown); an uncordon removes both.
+pub fn record(cordoned: bool, held: Option<i64>) -> serde_json::Value {
+    let value = cordoned.then(|| held.map_or_else(|| "unknown".to_string(), |n| n.to_string()));
+    // pod-deletion-cost is an int32; a shard holds far fewer connections.
+    let cost = held
+        .filter(|_| cordoned)
+        .map(|n| (-n.min(i64::from(i32::MAX))).to_string());
+    serde_json::json!({"metadata": {"annotations": {
+        CORDONED_ANNOTATION: value,
+        POD_DELETION_COST: cost,
+    }}})
 }
 
 /// The connections a shard reported holding in its answer to an order
@@ -102,5 +119,23 @@ mod tests {
         assert_eq!(held(r#"{"action":"cordon"}"#), None);
         assert_eq!(held("ok"), None);
         assert_eq!(held(r#"{"live":-1}"#), None);
+    }
+
+    #[test]
+    fn a_cordon_records_what_the_shard_held_and_puts_the_fullest_first() {
+        let annotations = |v: serde_json::Value| v["metadata"]["annotations"].clone();
+        assert_eq!(
+            annotations(record(true, Some(980))),
+            serde_json::json!({CORDONED_ANNOTATION: "980", POD_DELETION_COST: "-980"})
+        );
+        assert_eq!(
+            annotations(record(true, None)),
+            serde_json::json!({CORDONED_ANNOTATION: "unknown", POD_DELETION_COST: null})
+        );
+        // An uncordon removes both (null in a merge patch).
+        assert_eq!(
+            annotations(record(false, Some(5))),
+            serde_json::json!({CORDONED_ANNOTATION: null, POD_DELETION_COST: null})
+        );
     }
 }
