@@ -35,8 +35,9 @@ use crate::reconcile::{Context, error_policy, reconcile};
 pub const CONCURRENCY: u16 = 128;
 
 /// Drops what no reconcile reads from a watched object before the stores
-/// keep it: `managedFields` (often half an object's bytes).
-fn lean<K: Resource>(o: &mut K) {
+/// keep it: `managedFields` (often half an object's bytes;
+/// `tests/store_heap.rs` measures it).
+pub fn lean<K: Resource>(o: &mut K) {
     o.meta_mut().managed_fields = None;
 }
 
@@ -49,7 +50,7 @@ fn lean_node(n: &mut Node) {
 }
 
 /// The objects `api` holds under `wc` as they change, each made `lean`
-/// and kept in `writer`'s store before it triggers anything.
+/// and kept in `writer`'s store before it triggers anything ([`keep`]).
 fn stored<K>(
     api: Api<K>,
     wc: watcher::Config,
@@ -65,10 +66,28 @@ where
         + Sync
         + 'static,
 {
-    watcher(api, wc)
-        .modify(lean)
-        .reflect(writer)
-        .applied_objects()
+    keep(watcher(api, wc), lean, writer)
+}
+
+/// The objects of the watch `events`, each made `lean` and kept in
+/// `writer`'s store before it is passed on: what the controller's stores
+/// hold (`tests/store_heap.rs` feeds it 1,000 fleets' objects).
+pub fn keep<K, S>(
+    events: S,
+    lean: fn(&mut K),
+    writer: reflector::store::Writer<K>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    events.modify(lean).reflect(writer).applied_objects()
 }
 
 /// How `c10m-operator run` runs.
