@@ -736,7 +736,7 @@ fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
             let left = if o.over(std::time::Instant::now()) {
                 0
             } else {
-                o.count.saturating_sub(o.taken()).min(shared.live())
+                o.count.saturating_sub(o.taken()).min(shared.serving())
             };
             metrics
                 .close_pending
@@ -757,23 +757,24 @@ fn act(state: &AdminState, action: Action) -> String {
             (state.drain)(rate);
             format!(
                 "{{\"action\":\"drain\",\"rate\":{rate},\"live\":{}}}",
-                shared.live()
+                shared.serving()
             )
         }
         Action::Shed { count, rate } => {
             if shared.draining() {
                 return format!(
                     "{{\"action\":\"shed\",\"ignored\":\"draining\",\"live\":{}}}",
-                    shared.live()
+                    shared.serving()
                 );
             }
             // Bounded by what is live as the order arrives: a client that
-            // connects later is never one of its victims (issue 21).
-            let count = count.min(shared.live());
+            // connects later is never one of its victims, nor is one already
+            // in its close handshake (issue 21).
+            let count = count.min(shared.serving());
             shared.set_order(CloseOrder::new(CloseReason::Shed, count, rate));
             format!(
                 "{{\"action\":\"shed\",\"count\":{count},\"rate\":{rate},\"live\":{}}}",
-                shared.live()
+                shared.serving()
             )
         }
         Action::Cordon(on) => {
@@ -782,7 +783,7 @@ fn act(state: &AdminState, action: Action) -> String {
             format!(
                 "{{\"action\":\"{}\",\"live\":{}}}",
                 if on { "cordon" } else { "uncordon" },
-                shared.live()
+                shared.serving()
             )
         }
     }

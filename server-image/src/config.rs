@@ -14,6 +14,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use c10m_wire::{env, protocol};
 
 use crate::privilege::RunAs;
+use crate::ws::Subprotocols;
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 /// Default TCP port of the connection listeners (`spec.server.port`).
@@ -57,6 +58,18 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u32 = 10;
 /// round trip across continents while a stuck client is found soon after
 /// its ping. Chosen, not measured.
 pub const DEFAULT_WS_PONG_TIMEOUT_SECS: u32 = 10;
+
+/// Default seconds the server waits, after its WebSocket close frame (or an
+/// HTTP error answer), for the client to close its side
+/// (`--close-timeout-secs`; [`crate::conn`] has the closing state). 5 s:
+/// what ASP.NET Core waits for a peer's close (`WebSocketOptions.CloseTimeout`,
+/// default 5 s) and nginx's `lingering_timeout` (5 s) for more client data
+/// before it closes [sources: their reference docs]. A client answers a close
+/// one round trip after it has read what came before it, so this covers
+/// slow mobile links with seconds to spare, while a drain or a shed
+/// lingers at most this long for clients that never answer. Chosen from
+/// those, not measured.
+pub const DEFAULT_CLOSE_TIMEOUT_SECS: u32 = 5;
 
 /// Default seconds the server waits for a drain to finish before closing
 /// what is left at once: 25 s, inside Kubernetes' default 30 s
@@ -222,6 +235,38 @@ pub struct Config {
     )]
     pub ws_pong_timeout_secs: u32,
 
+    /// Seconds the server waits, after it sent a WebSocket close frame (drain,
+    /// shed, 1009, 1007, 1002, timeouts, ...) or an HTTP error answer to an
+    /// upgrade, for the client to close its side: it half-closes at once
+    /// (FIN) and reads and discards what the client still sends (its close
+    /// answer, the rest of a message; at most 8 MiB), so that none of it
+    /// draws a reset that would lose the close code (RFC 6455 §7.1.1).
+    /// Then it closes the socket anyway (checked once a second: between S
+    /// and S+2 s).
+    #[arg(
+        long,
+        env = env::CLOSE_TIMEOUT_SECS,
+        default_value_t = DEFAULT_CLOSE_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u32)
+            .range(1..=i64::from(crate::conn::MAX_CLOSE_TIMEOUT_SECS))
+    )]
+    pub close_timeout_secs: u32,
+
+    /// WebSocket subprotocols the server accepts, comma-separated (e.g.
+    /// `chat,v2.example`): an upgrade's 101 names the first protocol the
+    /// client offers in Sec-WebSocket-Protocol (in the client's order) that
+    /// is on this list, and none if no offer is (RFC 6455 §4.2.2). Each name
+    /// must be an RFC 7230 token, named once. Default: none.
+    #[arg(
+        long,
+        env = env::SUBPROTOCOLS,
+        value_name = "LIST",
+        default_value = "",
+        hide_default_value = true,
+        value_parser = parse_subprotocols
+    )]
+    pub subprotocols: Subprotocols,
+
     /// Connections closed per second when draining on SIGTERM/SIGINT; 0 (the
     /// default) closes them all at once.
     #[arg(long, env = env::DRAIN_RATE, default_value_t = 0.0)]
@@ -287,6 +332,12 @@ pub struct Config {
 /// variable).
 fn parse_run_as(s: &str) -> Result<RunAs, String> {
     s.parse()
+}
+
+/// `--subprotocols`/`C10M_SUBPROTOCOLS` ([`Subprotocols::parse`]); errors
+/// name both, whichever was used.
+fn parse_subprotocols(s: &str) -> Result<Subprotocols, String> {
+    Subprotocols::parse(s).map_err(|e| format!("--subprotocols ({}): {e}", env::SUBPROTOCOLS))
 }
 
 impl Config {
@@ -389,6 +440,8 @@ mod tests {
         assert_eq!(c.drain_accept_secs, 5);
         assert_eq!(c.admin_token().unwrap(), None);
         assert_eq!(c.run_as, None);
+        assert_eq!(c.close_timeout_secs, 5);
+        assert!(c.subprotocols.is_empty());
     }
 
     #[test]
@@ -482,6 +535,8 @@ mod tests {
             ("partial-budget-bytes", env::PARTIAL_BUDGET_BYTES),
             ("ws-ping-secs", env::WS_PING_SECS),
             ("ws-pong-timeout-secs", env::WS_PONG_TIMEOUT_SECS),
+            ("close-timeout-secs", env::CLOSE_TIMEOUT_SECS),
+            ("subprotocols", env::SUBPROTOCOLS),
             ("drain-rate", env::DRAIN_RATE),
             ("drain-timeout-secs", env::DRAIN_TIMEOUT_SECS),
             ("drain-accept-secs", env::DRAIN_ACCEPT_SECS),
@@ -562,6 +617,50 @@ mod tests {
         let name = |p: Protocol| p.to_possible_value().unwrap().get_name().to_string();
         assert_eq!(name(Protocol::Echo), protocol::ECHO);
         assert_eq!(name(Protocol::Websocket), protocol::WEBSOCKET);
+    }
+
+    /// Issue 21, items 14 and 15: the close timeout and the subprotocols,
+    /// from flags or variables; bad values are refused naming them.
+    #[test]
+    fn close_timeout_and_subprotocols() {
+        let c = parse(&[
+            "--close-timeout-secs",
+            "1",
+            "--subprotocols",
+            "chat, v2.example",
+        ])
+        .unwrap();
+        assert_eq!(c.close_timeout_secs, 1);
+        let names: Vec<&str> = c.subprotocols.names().iter().map(|n| &**n).collect();
+        assert_eq!(names, ["chat", "v2.example"]);
+        let c =
+            Config::from_env_pairs([(env::CLOSE_TIMEOUT_SECS, "60"), (env::SUBPROTOCOLS, "mqtt")])
+                .unwrap();
+        assert_eq!(c.close_timeout_secs, 60);
+        assert_eq!(c.subprotocols.to_string(), "mqtt");
+        // An empty variable means none, as an unset one does.
+        let c = Config::from_env_pairs([(env::SUBPROTOCOLS, "")]).unwrap();
+        assert!(c.subprotocols.is_empty());
+        for (name, value) in [
+            (env::CLOSE_TIMEOUT_SECS, "0"),
+            (env::CLOSE_TIMEOUT_SECS, "61"),
+            (env::SUBPROTOCOLS, "chat,bad token"),
+            (env::SUBPROTOCOLS, "a/b"),
+            (env::SUBPROTOCOLS, "chat,chat"),
+        ] {
+            let e = Config::from_env_pairs([(name, value)]).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{name}={value}: {e}"
+            );
+            assert!(e.to_string().contains(value), "{e}");
+        }
+        let e = parse(&["--subprotocols", "x y"]).unwrap_err().to_string();
+        assert!(
+            e.contains(env::SUBPROTOCOLS) && e.contains("\"x y\"") && e.contains("token"),
+            "{e}"
+        );
     }
 
     #[test]

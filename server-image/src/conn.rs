@@ -17,6 +17,24 @@
 //! many clients stop in the middle of a frame, a worker holds at most its
 //! budget for them. A frame that does not complete within the frame
 //! timeout is closed by the worker's sweep ([`Conn::partial_since`]).
+//!
+//! Closing (RFC 6455 §7.1.1, issue 21). When the server ends a WebSocket
+//! on its own initiative it sends a goodbye (a close frame: 1001 for a
+//! drain or shed, 1009, 1007, 1002, 1008, 1011, 1013; or an HTTP error
+//! answer to an upgrade) and the connection enters [`Phase::Closing`]: it
+//! sends nothing more, half-closes (FIN) as soon as the goodbye is out, and
+//! reads and discards whatever the peer still sends (the rest of a message,
+//! its close answer) until the peer closes its side (EOF). Closing the
+//! socket at once instead would make the kernel answer those bytes with a
+//! reset, and a client that had not read the close frame yet would lose its
+//! code (aiohttp saw 1009 in 12 of 15 tries). The wait is bounded in time
+//! (`--close-timeout-secs`, enforced by the worker's sweep with
+//! [`Conn::closing_for`]) and in bytes ([`CLOSE_DISCARD_BYTES`]). It costs
+//! no memory: the packed word holds the state, the tick the closing began
+//! and the bytes discarded, and `Extra` is dropped once the goodbye is
+//! written. A peer's own close is answered and the socket closed as soon as
+//! the answer is written (the server "MUST close the underlying TCP
+//! connection immediately", §5.5.1), as is every echo connection.
 
 use std::io::{self, ErrorKind, Read, Write};
 
@@ -30,6 +48,40 @@ const TICK_MASK: u32 = (1 << TICK_BITS) - 1;
 const HANDSHAKE_BIT: u32 = 1 << TICK_BITS;
 /// Bit of the packed word set while a server ping awaits an answer.
 const PINGED_BIT: u32 = 1 << (TICK_BITS + 1);
+/// Bit of the packed word set in [`Phase::Closing`]. The other 31 bits then
+/// mean something else: the tick the closing began, modulo 2^7, in the low
+/// [`CLOSE_TICK_BITS`], and the bytes discarded since in the 24 above
+/// (what an open connection uses for its timestamp, phase and ping flag,
+/// none of which a closing one needs).
+const CLOSING_BIT: u32 = 1 << 31;
+/// Bits of the closing tick: its age is taken modulo 128 s, which is exact
+/// while the sweep closes it by [`MAX_CLOSE_TIMEOUT_SECS`] + 2 s.
+const CLOSE_TICK_BITS: u32 = 7;
+const CLOSE_TICK_MASK: u32 = (1 << CLOSE_TICK_BITS) - 1;
+/// Largest count of discarded bytes the closing word holds (2^24 − 1).
+const DISCARD_MASK: u32 = (1 << (31 - CLOSE_TICK_BITS)) - 1;
+
+/// Longest `--close-timeout-secs` accepted, in seconds: the sweep closes a
+/// connection between the timeout and 2 s after it, and the closing tick
+/// must not wrap before ([`CLOSE_TICK_BITS`]). A minute is far more than a
+/// close answer takes (one round trip); 60, not 125, by choice.
+pub const MAX_CLOSE_TIMEOUT_SECS: u32 = 60;
+const _: () = assert!(MAX_CLOSE_TIMEOUT_SECS + 2 < 1 << CLOSE_TICK_BITS);
+
+/// Most bytes a closing connection may send before the server closes its
+/// socket without waiting further (a reset, if more is in flight): 8 MiB.
+/// More than the largest receive window Linux offers by default
+/// (`net.ipv4.tcp_rmem` max: 128 KiB to 6 MiB depending on RAM [source:
+/// kernel `Documentation/networking/ip-sysctl.rst`]), so whatever a peer
+/// had in flight when the close went out is read, with room for the rest
+/// of a message it was still writing (an oversize one, past
+/// `--max-frame-bytes`, is exactly that). A peer that sends more during the
+/// close is not answering it, and reading its bytes costs the worker CPU
+/// for nothing; one over the bound by more than 8 MiB loses its close code
+/// to the reset. Counted exactly in the closing word (24 bits). Chosen, not
+/// measured.
+pub const CLOSE_DISCARD_BYTES: u32 = 8 << 20;
+const _: () = assert!(CLOSE_DISCARD_BYTES < DISCARD_MASK);
 
 /// Below this many bytes of capacity a held input buffer is never copied to
 /// a smaller one; above it, a buffer more than twice the bytes it still
@@ -144,6 +196,11 @@ pub enum Phase {
     /// WebSocket: waiting for the HTTP upgrade request (handshake timeout
     /// applies).
     Handshake = 1,
+    /// WebSocket: the server sent its goodbye (close frame or HTTP error
+    /// answer) and waits, reading and discarding, for the peer to close its
+    /// side; bounded by the close timeout and [`CLOSE_DISCARD_BYTES`]. Its
+    /// close is already counted; orders and other timeouts skip it.
+    Closing = 2,
 }
 
 /// Everything a busy connection needs beyond its socket. Dropped as soon as
@@ -157,7 +214,8 @@ pub struct Extra {
     input: Vec<u8>,
     /// The fragmented WebSocket message in flight.
     msg: ws::Message,
-    /// Close once `unsent` is flushed (a goodbye or error reply is queued).
+    /// Close once `unsent` is flushed: the answer to the peer's close is
+    /// queued (the server's own goodbyes go through [`Phase::Closing`]).
     close_after: Option<CloseReason>,
     /// Tick at which the unfinished frame in `input` began to arrive.
     partial_since: u32,
@@ -179,7 +237,8 @@ pub struct Conn<S> {
     /// registered with the worker's `mio::Poll`).
     pub stream: S,
     /// Timestamp (ticks) in the low [`TICK_BITS`], then the phase bit and
-    /// the pinged bit.
+    /// the pinged bit; in [`Phase::Closing`], the closing word (see
+    /// [`CLOSING_BIT`]).
     meta: u32,
     /// State of a busy connection; `None` whenever it is idle.
     extra: Option<Box<Extra>>,
@@ -208,6 +267,13 @@ pub enum Status {
     Busy,
     /// The connection is over; drop it.
     Closed(CloseReason),
+    /// The server queued its goodbye and the connection entered
+    /// [`Phase::Closing`]: count the close now, under this reason; the
+    /// socket stays open (half-closed once the goodbye is written) until
+    /// the peer closes, and the worker must call again soon without
+    /// waiting for an event (bytes may already be waiting), and wait for
+    /// writability while [`Conn::has_unsent`].
+    Closing(CloseReason),
 }
 
 /// The bytes one worker may hold for unfinished frames and upgrade
@@ -260,6 +326,8 @@ pub struct Ctx<'a> {
     pub budget: &'a mut Budget,
     /// Largest WebSocket frame payload accepted, in bytes.
     pub max_frame: usize,
+    /// WebSocket subprotocols accepted in the upgrade.
+    pub subprotocols: &'a ws::Subprotocols,
     /// Current tick (seconds since the worker started).
     pub now: u32,
     /// Bytes moved, accumulated.
@@ -314,7 +382,20 @@ fn read_once<R: Read>(r: &mut R, buf: &mut [u8]) -> Read1 {
     }
 }
 
-impl<S: Read + Write> Conn<S> {
+/// What a connection's socket does besides reading and writing.
+pub trait Socket: Read + Write {
+    /// Shuts the write side down: FIN after what was written. An error is
+    /// ignored (a dead socket shows on the next read).
+    fn shut_write(&mut self);
+}
+
+impl Socket for std::net::TcpStream {
+    fn shut_write(&mut self) {
+        let _ = self.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+impl<S: Socket> Conn<S> {
     /// A connection accepted at tick `now`, in `phase`.
     pub fn new(stream: S, phase: Phase, now: u32) -> Self {
         let mut c = Conn {
@@ -328,23 +409,63 @@ impl<S: Read + Write> Conn<S> {
 
     /// The protocol phase.
     pub fn phase(&self) -> Phase {
-        if self.meta & HANDSHAKE_BIT != 0 {
+        if self.meta & CLOSING_BIT != 0 {
+            Phase::Closing
+        } else if self.meta & HANDSHAKE_BIT != 0 {
             Phase::Handshake
         } else {
             Phase::Open
         }
     }
 
+    /// Switches between the handshake and open phases ([`Phase::Closing`]
+    /// is entered through [`Conn::begin_closing`] only, and never left).
     fn set_phase(&mut self, p: Phase) {
         match p {
             Phase::Handshake => self.meta |= HANDSHAKE_BIT,
             Phase::Open => self.meta &= !HANDSHAKE_BIT,
+            Phase::Closing => debug_assert!(self.phase() == Phase::Closing),
         }
     }
 
-    /// Tick of the last read (or of the accept, before any).
+    /// Tick of the last read (or of the accept, before any); in
+    /// [`Phase::Closing`], of the closing's start modulo 128 (see
+    /// [`Conn::closing_for`]).
     pub fn since(&self) -> u32 {
-        self.meta & TICK_MASK
+        if self.meta & CLOSING_BIT != 0 {
+            self.meta & CLOSE_TICK_MASK
+        } else {
+            self.meta & TICK_MASK
+        }
+    }
+
+    /// Seconds (ticks) the connection has been in [`Phase::Closing`] at
+    /// tick `now`; `None` in the other phases.
+    pub fn closing_for(&self, now: u32) -> Option<u32> {
+        (self.meta & CLOSING_BIT != 0)
+            .then(|| now.wrapping_sub(self.meta & CLOSE_TICK_MASK) & CLOSE_TICK_MASK)
+    }
+
+    /// Bytes read and discarded since the connection entered
+    /// [`Phase::Closing`] (0 in the other phases).
+    pub fn discarded(&self) -> u32 {
+        if self.meta & CLOSING_BIT != 0 {
+            (self.meta >> CLOSE_TICK_BITS) & DISCARD_MASK
+        } else {
+            0
+        }
+    }
+
+    /// Counts `n` more bytes discarded while closing; `false` once the
+    /// total passes [`CLOSE_DISCARD_BYTES`].
+    fn discard(&mut self, n: usize) -> bool {
+        let total = u64::from(self.discarded()) + n as u64;
+        if total > u64::from(CLOSE_DISCARD_BYTES) {
+            return false;
+        }
+        self.meta =
+            CLOSING_BIT | (self.meta & CLOSE_TICK_MASK) | ((total as u32) << CLOSE_TICK_BITS);
+        true
     }
 
     /// Records a read at tick `now`; any read answers a server ping.
@@ -354,15 +475,18 @@ impl<S: Read + Write> Conn<S> {
 
     /// Whether a server ping was sent and nothing was read since.
     pub fn pinged(&self) -> bool {
-        self.meta & PINGED_BIT != 0
+        self.meta & (PINGED_BIT | CLOSING_BIT) == PINGED_BIT
     }
 
-    /// Whether the connection is closing: a close frame or error reply is
-    /// queued, and it closes once that is written (no ping may follow it).
+    /// Whether the connection is closing: in [`Phase::Closing`], or the
+    /// answer to the peer's close is queued and it closes once that is
+    /// written. No ping or other goodbye may follow either.
     pub fn closing(&self) -> bool {
-        self.extra
-            .as_deref()
-            .is_some_and(|e| e.close_after.is_some())
+        self.phase() == Phase::Closing
+            || self
+                .extra
+                .as_deref()
+                .is_some_and(|e| e.close_after.is_some())
     }
 
     /// Tick at which the unfinished frame this connection holds began to
@@ -508,8 +632,14 @@ impl<S: Read + Write> Conn<S> {
 
     /// WebSocket: the upgrade handshake, then frames (see [`ws::process`]).
     /// Incomplete requests and frames are kept in `Extra` until the rest
-    /// arrives; replies are written at once, their unsent tail kept.
+    /// arrives; replies are written at once, their unsent tail kept. A
+    /// goodbye of the server's (close frame or HTTP error answer) enters
+    /// [`Phase::Closing`] ([`Status::Closing`]), which [`Conn::linger`]
+    /// carries on.
     pub fn websocket(&mut self, ctx: &mut Ctx<'_>) -> Status {
+        if self.phase() == Phase::Closing {
+            return self.linger(ctx);
+        }
         if let Some(s) = self.resume(&mut ctx.traffic) {
             return s;
         }
@@ -532,18 +662,97 @@ impl<S: Read + Write> Conn<S> {
             if let Err(r) = self.send(ctx.out, &mut ctx.traffic) {
                 return Status::Closed(r);
             }
-            if let Some(r) = closing {
-                if self.has_unsent() {
-                    self.extra().close_after = Some(r);
+            match closing {
+                // The peer's close is answered: close once that is written.
+                Some(CloseReason::Peer) if self.has_unsent() => {
+                    self.extra().close_after = Some(CloseReason::Peer);
                     return Status::Blocked;
                 }
-                return Status::Closed(r);
+                Some(CloseReason::Peer) => return Status::Closed(CloseReason::Peer),
+                // The server's goodbye is queued: wait for the peer's close.
+                Some(r) => {
+                    self.begin_closing(ctx.now, ctx.budget);
+                    return Status::Closing(r);
+                }
+                None => {}
             }
             if self.has_unsent() {
                 return Status::Blocked;
             }
         }
         Status::Busy
+    }
+
+    /// [`Phase::Closing`]: writes what is left of the goodbye, half-closes
+    /// once it is out, and reads and discards until the peer closes its
+    /// side (`Closed(Peer)`), an error, or more than
+    /// [`CLOSE_DISCARD_BYTES`] (`Closed(Error)`; the worker closes the
+    /// socket either way and counts nothing more: the close was counted
+    /// when it began). Reads go on while the goodbye waits for the kernel:
+    /// a peer blocked writing to us reads our close only once we read.
+    fn linger(&mut self, ctx: &mut Ctx<'_>) -> Status {
+        if self.extra.is_some() {
+            if let Err(r) = self.flush_unsent(&mut ctx.traffic) {
+                return Status::Closed(r);
+            }
+            if !self.has_unsent() {
+                self.extra = None;
+                self.stream.shut_write();
+            }
+        }
+        for _ in 0..READ_BUDGET {
+            match read_once(&mut self.stream, ctx.scratch) {
+                Read1::Closed(r) => return Status::Closed(r),
+                Read1::Drained if self.has_unsent() => return Status::Blocked,
+                Read1::Drained => return Status::Idle,
+                Read1::Data(n) => {
+                    ctx.traffic.received += n as u64;
+                    if !self.discard(n) {
+                        return Status::Closed(CloseReason::Error);
+                    }
+                }
+            }
+        }
+        Status::Busy
+    }
+
+    /// Enters [`Phase::Closing`] at tick `now`, its goodbye already sent or
+    /// queued: what the connection held for unfinished input is released
+    /// (to `budget`) and dropped, and so is `Extra` unless the goodbye is
+    /// still being written; once it is out, the write side is shut (FIN).
+    fn begin_closing(&mut self, now: u32, budget: &mut Budget) {
+        budget.release(self.held());
+        self.meta = CLOSING_BIT | (now & CLOSE_TICK_MASK);
+        if self.has_unsent() {
+            let e = self.extra();
+            e.input = Vec::new();
+            e.msg = ws::Message::default();
+            e.close_after = None;
+        } else {
+            self.extra = None;
+            self.stream.shut_write();
+        }
+    }
+
+    /// The server's own goodbye to an open WebSocket (drain, shed,
+    /// timeouts): sends a close frame with `code` (what the kernel does not
+    /// take is kept) and enters [`Phase::Closing`], releasing what the
+    /// connection held to `budget`. An error means the connection is dead:
+    /// the caller closes it. The caller waits for writability if
+    /// [`Conn::has_unsent`], and drives it soon (bytes may be waiting).
+    pub fn start_close(
+        &mut self,
+        code: u16,
+        out: &mut Vec<u8>,
+        t: &mut Traffic,
+        now: u32,
+        budget: &mut Budget,
+    ) -> Result<(), CloseReason> {
+        debug_assert!(self.phase() == Phase::Open && !self.closing());
+        ws::write_close(out, code);
+        self.send(out, t)?;
+        self.begin_closing(now, budget);
+        Ok(())
     }
 
     /// Runs the protocol over the held input plus the `n` new bytes in
@@ -599,7 +808,14 @@ impl<S: Read + Write> Conn<S> {
         } else {
             fresh
         };
-        let (consumed, closing) = step(&mut phase, &mut msg, input, ctx.out, max_frame);
+        let (consumed, closing) = step(
+            &mut phase,
+            &mut msg,
+            input,
+            ctx.out,
+            max_frame,
+            ctx.subprotocols,
+        );
         self.set_phase(phase);
         if closing.is_some() {
             ctx.budget.release(held);
@@ -664,7 +880,8 @@ impl<S: Read + Write> Conn<S> {
     /// Queues a protocol goodbye (WebSocket close with the status for
     /// `reason` once upgraded, see [`CloseReason::ws_code`]; nothing for
     /// echo) and tries to write it, best effort: the caller shuts the socket
-    /// down and drops it next.
+    /// down and drops it next, without waiting for the peer's close (the
+    /// drain deadline; [`Conn::start_close`] waits).
     pub fn goodbye(
         &mut self,
         websocket: bool,
@@ -693,6 +910,8 @@ fn grow_limit(phase: Phase, kept: &[u8], max_frame: usize) -> usize {
                 .min(max_frame.saturating_add(ws::MAX_HEADER_BYTES)),
             _ => ws::MAX_HEADER_BYTES,
         },
+        // A closing connection holds no input (it runs no protocol).
+        Phase::Closing => 0,
     }
 }
 
@@ -702,6 +921,7 @@ fn over_budget(phase: Phase, out: &mut Vec<u8>) {
     match phase {
         Phase::Handshake => out.extend_from_slice(ws::BUSY_RESPONSE),
         Phase::Open => ws::write_close(out, ws::code::TRY_AGAIN_LATER),
+        Phase::Closing => {}
     }
 }
 
@@ -713,10 +933,11 @@ fn step(
     buf: &[u8],
     out: &mut Vec<u8>,
     max_frame: usize,
+    subprotocols: &ws::Subprotocols,
 ) -> (usize, Option<CloseReason>) {
     let mut start = 0;
     if *phase == Phase::Handshake {
-        match ws::handshake(buf) {
+        match ws::handshake_with(buf, subprotocols) {
             ws::Handshake::Partial => return (0, None),
             ws::Handshake::Reject { response } => {
                 out.extend_from_slice(&response);
@@ -752,6 +973,15 @@ mod tests {
         written: Vec<u8>,
         window: usize,
         write_err: Option<ErrorKind>,
+        /// The write side was shut down, after `written` bytes.
+        shut: Option<usize>,
+    }
+
+    impl Socket for Fake {
+        fn shut_write(&mut self) {
+            assert!(self.shut.is_none(), "shut down twice");
+            self.shut = Some(self.written.len());
+        }
     }
 
     impl Read for Fake {
@@ -773,6 +1003,7 @@ mod tests {
 
     impl Write for Fake {
         fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            assert!(self.shut.is_none(), "write after the write side was shut");
             if let Some(k) = self.write_err {
                 return Err(k.into());
             }
@@ -807,6 +1038,7 @@ mod tests {
         out: Vec<u8>,
         join: Vec<u8>,
         budget: Budget,
+        subprotocols: ws::Subprotocols,
         now: u32,
     }
 
@@ -817,6 +1049,7 @@ mod tests {
                 out: Vec::new(),
                 join: Vec::new(),
                 budget: Budget::new(1 << 20),
+                subprotocols: ws::Subprotocols::default(),
                 now: 9,
             }
         }
@@ -827,6 +1060,7 @@ mod tests {
                 join: &mut self.join,
                 budget: &mut self.budget,
                 max_frame: 1024,
+                subprotocols: &self.subprotocols,
                 now: self.now,
                 traffic: Traffic::default(),
             }
@@ -1014,28 +1248,48 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         let mut b = Bufs::new(4096);
         assert_eq!(c.websocket(&mut b.ctx()), Status::Closed(CloseReason::Peer));
         assert!(c.stream.written.ends_with(&[0x88, 2, 0x03, 0xe8]));
+        assert_eq!(c.stream.shut, None, "the peer's close: closed at once");
 
-        // The close reply does not fit: blocked first, closed once flushed.
+        // The upgrade does not fit: blocked first; once it is out the
+        // oversize frame is read: 1009, and the server's close begins.
         let big = ws::client_frame(true, ws::opcode::BINARY, &[9; 2000], M);
         let mut c = fake(&[UPGRADE, &big], 0, Phase::Handshake);
         assert_eq!(c.websocket(&mut b.ctx()), Status::Blocked);
         assert_eq!(c.unsent().len(), response_len());
         c.stream.window = usize::MAX;
-        // The 101 goes out, then the oversize frame is read: 1009.
         assert_eq!(
             c.websocket(&mut b.ctx()),
-            Status::Closed(CloseReason::TooLarge)
+            Status::Closing(CloseReason::TooLarge)
         );
         assert!(c.stream.written.ends_with(&[0x88, 2, 0x03, 0xf1]));
+        assert_eq!(c.phase(), Phase::Closing);
+        assert_eq!(
+            c.stream.shut,
+            Some(c.stream.written.len()),
+            "FIN after the close"
+        );
+        assert!(c.is_idle(), "nothing held while closing");
+        // The rest of the frame is read and discarded; the peer's EOF ends it.
+        c.stream
+            .reads
+            .push_back(Ok(big[big.len() - 1000..].to_vec()));
+        c.stream.reads.push_back(Ok(Vec::new()));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Closed(CloseReason::Peer));
+        assert_eq!(c.discarded(), 1000);
 
+        // An HTTP error answer waits for the peer's close the same way.
         let mut c = fake(&[b"GET / HTTP/1.1\r\n\r\n"], 3, Phase::Handshake);
-        assert_eq!(c.websocket(&mut b.ctx()), Status::Blocked);
-        c.stream.window = usize::MAX;
         assert_eq!(
             c.websocket(&mut b.ctx()),
-            Status::Closed(CloseReason::BadHandshake)
+            Status::Closing(CloseReason::BadHandshake)
         );
+        assert_eq!((c.phase(), c.stream.shut), (Phase::Closing, None));
+        assert!(c.has_unsent());
+        c.stream.window = usize::MAX;
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
         assert!(c.stream.written.starts_with(b"HTTP/1.1 400 "));
+        assert_eq!(c.stream.shut, Some(c.stream.written.len()));
+        assert!(c.is_idle());
     }
 
     #[test]
@@ -1139,7 +1393,7 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         let mut second = open(&[&frame[..500]]);
         assert_eq!(
             second.websocket(&mut b.ctx()),
-            Status::Closed(CloseReason::Budget)
+            Status::Closing(CloseReason::Budget)
         );
         assert_eq!(second.stream.written, [0x88, 2, 0x03, 0xf5]);
         assert_eq!((second.held(), b.budget.used), (0, 600));
@@ -1149,7 +1403,7 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         b.budget.used += 350; // others hold 350 now
         assert_eq!(
             first.websocket(&mut b.ctx()),
-            Status::Closed(CloseReason::Budget)
+            Status::Closing(CloseReason::Budget)
         );
         assert_eq!((first.held(), b.budget.used), (0, 350));
         // Before the upgrade: 503 with Retry-After.
@@ -1157,7 +1411,7 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         let mut c = fake(&[&UPGRADE[..40]], usize::MAX, Phase::Handshake);
         assert_eq!(
             c.websocket(&mut b.ctx()),
-            Status::Closed(CloseReason::Budget)
+            Status::Closing(CloseReason::Budget)
         );
         assert_eq!(c.stream.written, ws::BUSY_RESPONSE);
         assert_eq!(b.budget.used, 0);
@@ -1212,6 +1466,143 @@ Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n
         let mut c = fake(&[&close], 0, Phase::Open);
         assert_eq!(c.websocket(&mut b.ctx()), Status::Blocked);
         assert!(c.closing());
+    }
+
+    #[test]
+    fn the_closing_word_keeps_its_tick_and_counts_discarded_bytes() {
+        let mut c = open(&[]);
+        c.touch(200);
+        c.meta |= PINGED_BIT;
+        let mut budget = Budget::new(1 << 20);
+        c.begin_closing(300, &mut budget);
+        assert_eq!(c.phase(), Phase::Closing);
+        assert!(!c.pinged() && c.closing());
+        assert_eq!(c.partial_since(), None);
+        assert_eq!((c.closing_for(300), c.closing_for(305)), (Some(0), Some(5)));
+        // The tick is kept modulo 128: exact for any age the sweep lets live.
+        assert_eq!(c.closing_for(300 + 62), Some(62));
+        assert!(c.discard(64 * 1024));
+        assert!(c.discard(CLOSE_DISCARD_BYTES as usize - 64 * 1024));
+        assert_eq!(c.discarded(), CLOSE_DISCARD_BYTES);
+        assert_eq!(
+            c.phase(),
+            Phase::Closing,
+            "the count never reaches the flag"
+        );
+        assert_eq!(c.closing_for(310), Some(10), "nor the tick");
+        assert!(!c.discard(1), "one byte over the bound");
+        // An open connection counts nothing and has no closing age.
+        let o = open(&[]);
+        assert_eq!((o.closing_for(5), o.discarded()), (None, 0));
+    }
+
+    #[test]
+    fn closing_discards_until_the_peer_closes_or_the_byte_bound() {
+        // The server's goodbye (an order's 1001) to a connection holding
+        // half a frame: what it held is released, FIN goes after the close.
+        let frame = ws::client_frame(true, ws::opcode::BINARY, &[5; 600], M);
+        let mut c = open(&[&frame[..100]]);
+        let mut b = Bufs::new(64 * 1024);
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(b.budget.used, 100);
+        let mut t = Traffic::default();
+        c.start_close(1001, &mut b.out, &mut t, 20, &mut b.budget)
+            .unwrap();
+        assert_eq!(c.stream.written, [0x88, 2, 0x03, 0xe9]);
+        assert_eq!(c.stream.shut, Some(4));
+        assert_eq!((c.held(), b.budget.used, c.is_idle()), (0, 0, true));
+        assert!(b.out.is_empty());
+        // Frames, a ping, the close answer: all discarded, nothing answered.
+        let mut more = frame[100..].to_vec();
+        more.extend(ws::client_frame(true, ws::opcode::PING, b"p", M));
+        more.extend(ws::client_frame(
+            true,
+            ws::opcode::CLOSE,
+            &1001u16.to_be_bytes(),
+            M,
+        ));
+        let n = more.len();
+        c.stream.reads.push_back(Ok(more));
+        let mut ctx = b.ctx();
+        assert_eq!(c.websocket(&mut ctx), Status::Idle);
+        assert_eq!((ctx.traffic.received, ctx.traffic.sent), (n as u64, 0));
+        assert_eq!(c.stream.written.len(), 4);
+        assert_eq!(c.discarded(), n as u32);
+        c.stream.reads.push_back(Ok(Vec::new()));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Closed(CloseReason::Peer));
+
+        // A flood: yields after the read budget like any connection, and
+        // is cut off once it passes the bound.
+        let mut c = open(&[]);
+        c.start_close(1001, &mut b.out, &mut t, 20, &mut b.budget)
+            .unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        for _ in 0..(CLOSE_DISCARD_BYTES as usize / chunk.len() + 1) {
+            c.stream.reads.push_back(Ok(chunk.clone()));
+        }
+        let mut rounds = 0;
+        let end = loop {
+            rounds += 1;
+            match c.websocket(&mut b.ctx()) {
+                Status::Busy => continue,
+                other => break other,
+            }
+        };
+        assert_eq!(end, Status::Closed(CloseReason::Error));
+        assert_eq!(c.discarded(), CLOSE_DISCARD_BYTES);
+        assert_eq!(rounds, CLOSE_DISCARD_BYTES / (64 * 1024 * READ_BUDGET) + 1);
+        // A reset while closing ends it too.
+        let mut c = open(&[]);
+        c.start_close(1001, &mut b.out, &mut t, 20, &mut b.budget)
+            .unwrap();
+        c.stream
+            .reads
+            .push_back(Err(ErrorKind::ConnectionReset.into()));
+        assert_eq!(
+            c.websocket(&mut b.ctx()),
+            Status::Closed(CloseReason::Reset)
+        );
+    }
+
+    #[test]
+    fn a_blocked_goodbye_keeps_reading_and_shuts_down_once_written() {
+        // The peer is not reading: the close frame waits behind an unsent
+        // echo. Reads go on (discarded), so a peer blocked writing to us
+        // gets unstuck and reads the close; FIN only once it is all out.
+        let mut c = fake(&[], 0, Phase::Open);
+        let mut b = Bufs::new(4096);
+        let mut t = Traffic::default();
+        b.out.extend_from_slice(b"unsent echo");
+        c.send(&mut b.out, &mut t).unwrap();
+        assert!(c.has_unsent());
+        c.start_close(1009, &mut b.out, &mut t, 3, &mut b.budget)
+            .unwrap();
+        assert_eq!((c.phase(), c.stream.shut), (Phase::Closing, None));
+        assert_eq!(c.unsent().len(), 11 + 4);
+        c.stream.reads.push_back(Ok(vec![1; 3000]));
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Blocked);
+        assert_eq!(c.discarded(), 3000);
+        c.stream.window = 5;
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Blocked);
+        assert_eq!(c.stream.shut, None);
+        c.stream.window = usize::MAX;
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        assert_eq!(c.stream.written, b"unsent echo\x88\x02\x03\xf1");
+        assert_eq!(c.stream.shut, Some(15));
+        assert!(c.is_idle());
+    }
+
+    #[test]
+    fn subprotocols_reach_the_upgrade() {
+        let offer = b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+Sec-WebSocket-Protocol: mqtt, chat\r\n\r\n";
+        let mut c = fake(&[offer], usize::MAX, Phase::Handshake);
+        let mut b = Bufs::new(4096);
+        b.subprotocols = ws::Subprotocols::parse("chat").unwrap();
+        assert_eq!(c.websocket(&mut b.ctx()), Status::Idle);
+        let r = String::from_utf8(c.stream.written.clone()).unwrap();
+        assert!(r.contains("\r\nSec-WebSocket-Protocol: chat\r\n"), "{r}");
     }
 
     #[test]

@@ -73,9 +73,15 @@ impl CloseOrder {
     /// Whether a connection in `phase` may be closed by this order: a shed
     /// never cuts a connection in its WebSocket handshake (it was not one
     /// the order counted on, and its client would get no close code); a
-    /// drain closes every connection.
+    /// drain closes every connection; no order takes one already closing.
     pub fn takes(&self, phase: crate::conn::Phase) -> bool {
-        self.reason != CloseReason::Shed || phase != crate::conn::Phase::Handshake
+        use crate::conn::Phase;
+        match phase {
+            // Already closing: its close was counted.
+            Phase::Closing => false,
+            Phase::Handshake => self.reason != CloseReason::Shed,
+            Phase::Open => true,
+        }
     }
 
     /// Closes allowed by `now` in total: one at once, then `rate` per
@@ -128,7 +134,13 @@ impl CloseOrder {
 /// State the workers, the admin thread and the main thread share.
 #[derive(Debug)]
 pub struct Shared {
+    /// Connections held, closing ones included: each holds a descriptor and
+    /// a socket, so the cap counts them.
     live: AtomicU64,
+    /// Of those, connections in their close handshake
+    /// ([`crate::conn::Phase::Closing`]): their close is counted, no order
+    /// can take them.
+    closing: AtomicU64,
     cap: u64,
     draining: Arc<AtomicBool>,
     /// Cordoned by `POST /cordon`: readiness drops, nothing else changes.
@@ -146,6 +158,7 @@ impl Shared {
     pub fn new(cap: u64, draining: Arc<AtomicBool>) -> Self {
         Shared {
             live: AtomicU64::new(0),
+            closing: AtomicU64::new(0),
             cap,
             draining,
             cordoned: AtomicBool::new(false),
@@ -171,9 +184,32 @@ impl Shared {
         self.live.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Live connections in the process.
+    /// A connection entered its close handshake: it keeps its slot until
+    /// [`Shared::release_closing`].
+    pub fn begin_closing(&self) {
+        self.closing.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A connection in its close handshake was closed: gives back its slot.
+    pub fn release_closing(&self) {
+        // Slot first: `serving` may read one too few for a moment, never
+        // one too many.
+        self.release();
+        self.closing.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Connections held in the process, closing ones included (what the
+    /// cap counts).
     pub fn live(&self) -> u64 {
         self.live.load(Ordering::Acquire)
+    }
+
+    /// Connections held and not closing: what an order can still close,
+    /// what `c10m_connections` sums to, and the `live` the admin API
+    /// reports.
+    pub fn serving(&self) -> u64 {
+        let closing = self.closing.load(Ordering::Acquire);
+        self.live().saturating_sub(closing)
     }
 
     /// Whether the server is draining.
@@ -270,6 +306,18 @@ mod tests {
     }
 
     #[test]
+    fn closing_connections_hold_their_slot_but_do_not_serve() {
+        let shared = Shared::new(2, Arc::new(AtomicBool::new(false)));
+        assert!(shared.try_admit() && shared.try_admit());
+        shared.begin_closing();
+        assert_eq!((shared.live(), shared.serving()), (2, 1));
+        assert!(!shared.try_admit(), "a closing connection keeps its slot");
+        shared.release_closing();
+        assert_eq!((shared.live(), shared.serving()), (1, 1));
+        assert!(shared.try_admit());
+    }
+
+    #[test]
     fn zero_cap_admits_nothing() {
         let shared = Shared::new(0, Arc::new(AtomicBool::new(false)));
         assert!(!shared.try_admit());
@@ -312,5 +360,6 @@ mod tests {
         let drain = CloseOrder::new(CloseReason::Shutdown, u64::MAX, 10.0);
         assert!(!drain.over(drain.start + Duration::from_secs(1_000_000)));
         assert!(drain.takes(Phase::Handshake));
+        assert!(!drain.takes(Phase::Closing) && !shed.takes(Phase::Closing));
     }
 }

@@ -13,8 +13,9 @@
 //! (`try_clone`). When the drain starts the workers stop accepting and drop
 //! theirs; the sockets stay open through these copies, so nothing that
 //! reaches them is refused, and this thread accepts from all of them: a
-//! WebSocket client gets its upgrade answered (101, or the 4xx the request
-//! earns) and then close 1001 (going away), an echo client gets a FIN. Each
+//! WebSocket client gets its upgrade answered (101, with the subprotocol
+//! the workers would choose, or the 4xx the request earns) and then close
+//! 1001 (going away), an echo client gets a FIN. Each
 //! goodbye is counted as rejected with reason `draining`. When the window
 //! ends the copies are closed, and with them the listeners. The goodbyes
 //! still under way get [`GOODBYE_DEADLINE`] from their accept to finish.
@@ -31,7 +32,7 @@ use slab::Slab;
 
 use crate::config::Protocol;
 use crate::metrics::{Metrics, RejectReason};
-use crate::ws::{self, Handshake};
+use crate::ws::{self, Handshake, Subprotocols};
 
 /// Time a connection accepted in the window has to finish its goodbye (send
 /// its upgrade request, take the answer, close): the admin port's request
@@ -74,6 +75,7 @@ struct Goodbye {
 pub fn spawn(
     listeners: Vec<std::net::TcpListener>,
     protocol: Protocol,
+    subprotocols: Subprotocols,
     window: Duration,
     metrics: Arc<Metrics>,
 ) -> io::Result<JoinHandle<()>> {
@@ -91,6 +93,7 @@ pub fn spawn(
         listeners: ls,
         goodbyes: Slab::new(),
         protocol,
+        subprotocols,
         end: Instant::now() + window,
         turned_away: metrics.rejected(RejectReason::Draining),
     };
@@ -104,6 +107,8 @@ struct Door {
     listeners: Vec<TcpListener>,
     goodbyes: Slab<Goodbye>,
     protocol: Protocol,
+    /// Accepted in the upgrade the goodbye answers, as by the workers.
+    subprotocols: Subprotocols,
     end: Instant,
     turned_away: prometheus_client::metrics::counter::Counter,
 }
@@ -207,14 +212,14 @@ impl Door {
         let Some(g) = self.goodbyes.get_mut(key) else {
             return;
         };
-        if step(g, scratch) {
+        if step(g, scratch, &self.subprotocols) {
             self.goodbyes.remove(key);
         }
     }
 }
 
 /// Drives one goodbye; returns whether it is over.
-fn step(g: &mut Goodbye, scratch: &mut [u8]) -> bool {
+fn step(g: &mut Goodbye, scratch: &mut [u8], subprotocols: &Subprotocols) -> bool {
     loop {
         match &mut g.stage {
             Stage::Upgrade(buf) => {
@@ -229,7 +234,7 @@ fn step(g: &mut Goodbye, scratch: &mut [u8]) -> bool {
                     Err(_) => return true,
                 };
                 buf.extend_from_slice(&scratch[..n]);
-                g.stage = match ws::handshake(buf) {
+                g.stage = match ws::handshake_with(buf, subprotocols) {
                     Handshake::Partial => continue,
                     Handshake::Accept { mut response, .. } => {
                         ws::write_close(&mut response, ws::code::GOING_AWAY);

@@ -212,6 +212,7 @@ fn unit_base<'a>(exported: &'a str, unit: &Unit) -> &'a str {
 pub struct Metrics {
     registry: Registry,
     connections: Family<WorkerLabel, Gauge>,
+    closing: Family<WorkerLabel, Gauge>,
     accepted: Family<WorkerLabel, Counter>,
     received: Family<WorkerLabel, Counter>,
     sent: Family<WorkerLabel, Counter>,
@@ -250,8 +251,12 @@ pub struct Metrics {
 /// updating them costs one atomic add and no lookup.
 #[derive(Debug, Clone)]
 pub struct WorkerMetrics {
-    /// Live connections held by this worker.
+    /// Live connections held by this worker, not counting those in their
+    /// close handshake.
     pub connections: Gauge,
+    /// Connections of this worker in their close handshake (the server's
+    /// close sent and counted, the peer's awaited).
+    pub closing: Gauge,
     /// Connections this worker admitted.
     pub accepted: Counter,
     /// Bytes read from connections.
@@ -282,6 +287,7 @@ impl Metrics {
     pub fn new(workers: u32) -> Self {
         let mut m = Metrics {
             connections: Family::default(),
+            closing: Family::default(),
             accepted: Family::default(),
             received: Family::default(),
             sent: Family::default(),
@@ -308,8 +314,13 @@ impl Metrics {
         let registry = &mut m.registry;
         registry.register(
             c10m_wire::metrics::CONNECTIONS,
-            "Live connections held, per worker",
+            "Live connections held, per worker (not those in their close handshake: c10m_connections_closing)",
             m.connections.clone(),
+        );
+        registry.register(
+            "c10m_connections_closing",
+            "Connections in their close handshake, per worker: the server sent its close (already counted in c10m_connections_closed_total) and waits for the client's, at most --close-timeout-secs",
+            m.closing.clone(),
         );
         registry.register(
             "c10m_connections_accepted",
@@ -428,6 +439,7 @@ impl Metrics {
         for w in 0..workers {
             let l = WorkerLabel { worker: w };
             m.connections.get_or_create_owned(&l);
+            m.closing.get_or_create_owned(&l);
             m.accepted.get_or_create_owned(&l);
             m.received.get_or_create_owned(&l);
             m.sent.get_or_create_owned(&l);
@@ -452,6 +464,7 @@ impl Metrics {
         let l = WorkerLabel { worker };
         WorkerMetrics {
             connections: self.connections.get_or_create_owned(&l),
+            closing: self.closing.get_or_create_owned(&l),
             accepted: self.accepted.get_or_create_owned(&l),
             received_bytes: self.received.get_or_create_owned(&l),
             sent_bytes: self.sent.get_or_create_owned(&l),
@@ -567,6 +580,9 @@ mod tests {
             "# TYPE c10m_connections gauge",
             "c10m_connections{worker=\"0\"} 0",
             "c10m_connections{worker=\"1\"} 2",
+            "# TYPE c10m_connections_closing gauge",
+            "c10m_connections_closing{worker=\"0\"} 0",
+            "c10m_connections_closing{worker=\"1\"} 0",
             "# TYPE c10m_connections_accepted counter",
             "c10m_connections_accepted_total{worker=\"1\"} 3",
             "c10m_connections_closed_total{reason=\"reset\"} 1",

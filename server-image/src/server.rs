@@ -219,6 +219,8 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         fd_soft_before = nofile.soft_before,
         backlog = config.backlog,
         protocol = ?config.protocol,
+        subprotocols = %config.subprotocols,
+        close_timeout_secs = config.close_timeout_secs,
         "c10m-server serving"
     );
 
@@ -255,6 +257,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         match door::spawn(
             door_listeners,
             config.protocol,
+            config.subprotocols.clone(),
             window,
             Arc::clone(&metrics),
         ) {

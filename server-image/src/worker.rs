@@ -5,6 +5,15 @@
 //! and shed orders. Workers share nothing on the hot path but
 //! [`crate::control::Shared`], whose live-connection count enforces the
 //! cap; each has its own budget for unfinished input ([`Budget`]).
+//!
+//! A WebSocket the server closes on its own initiative (an order, a
+//! timeout, a protocol error) gets its close frame and stays in the slab in
+//! [`Phase::Closing`] until the peer closes its side or the close timeout
+//! passes ([`crate::conn`] has why). Its close is counted when it begins
+//! (`c10m_connections_closed_total`, and it leaves `c10m_connections`), so
+//! orders keep their rate; while it lasts it counts in
+//! `c10m_connections_closing` and keeps its slot under the cap (it still
+//! holds a descriptor), and no order or other timeout takes it.
 
 use std::fs::File;
 use std::io::{self, ErrorKind};
@@ -26,6 +35,7 @@ use crate::control::{CloseOrder, Shared};
 use crate::limits;
 use crate::listen::Keepalive;
 use crate::metrics::{RejectReason, WorkerMetrics};
+use crate::ws::Subprotocols;
 
 /// Token of the worker's listener. Connection tokens are slab keys, which
 /// count up from 0 and never reach the top of the `usize` range.
@@ -58,7 +68,7 @@ pub struct WorkerHandle {
 }
 
 /// Protocol and limits a worker applies to every connection.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Limits {
     /// Protocol spoken on accepted connections.
     pub protocol: Protocol,
@@ -76,6 +86,11 @@ pub struct Limits {
     pub ws_ping_secs: u32,
     /// WebSocket: seconds a server ping may go unanswered.
     pub ws_pong_timeout_secs: u32,
+    /// WebSocket: seconds the server waits for the peer's close after its
+    /// own ([`Phase::Closing`]).
+    pub close_timeout_secs: u32,
+    /// WebSocket: subprotocols accepted in the upgrade.
+    pub subprotocols: Subprotocols,
     /// TCP keepalive and user timeout of accepted connections.
     pub keepalive: Keepalive,
 }
@@ -110,6 +125,8 @@ impl Limits {
                 .max(config.max_frame_bytes + crate::ws::MAX_HEADER_BYTES),
             ws_ping_secs: config.ws_ping_secs,
             ws_pong_timeout_secs: config.ws_pong_timeout_secs,
+            close_timeout_secs: config.close_timeout_secs,
+            subprotocols: config.subprotocols.clone(),
             keepalive: Keepalive {
                 idle_secs: config.keepalive_idle_secs,
                 interval_secs: config.keepalive_interval_secs,
@@ -152,6 +169,7 @@ pub fn spawn(
     poll.registry()
         .register(&mut listener, LISTENER, Interest::READABLE)?;
     let id = spec.id;
+    let budget = Budget::new(spec.limits.partial_budget_bytes);
     let worker = Worker {
         id,
         poll,
@@ -167,7 +185,8 @@ pub fn spawn(
         cursor: 0,
         out: Vec::new(),
         join: Vec::new(),
-        budget: Budget::new(spec.limits.partial_budget_bytes),
+        budget,
+        closing: 0,
         doomed: Vec::new(),
         pings: Vec::new(),
         last_sweep: 0,
@@ -224,6 +243,8 @@ struct Worker {
     join: Vec<u8>,
     /// Bytes held for unfinished frames and upgrade requests.
     budget: Budget,
+    /// Connections in the slab in [`Phase::Closing`].
+    closing: usize,
     /// Keys to close, collected by a sweep or an order batch.
     doomed: Vec<(usize, CloseReason)>,
     /// Keys to ping, collected by a sweep.
@@ -295,7 +316,7 @@ impl Worker {
                 self.close_all(&mut conns, CloseReason::Shutdown);
             }
             if self.order.is_some() {
-                self.run_order(&mut conns);
+                self.run_order(&mut conns, now);
             }
             if self.shared.draining() && conns.is_empty() {
                 tracing::debug!(worker = self.id, "worker drained");
@@ -413,6 +434,7 @@ impl Worker {
             join: &mut self.join,
             budget: &mut self.budget,
             max_frame: self.limits.max_frame_bytes,
+            subprotocols: &self.limits.subprotocols,
             now,
             traffic: Traffic::default(),
         };
@@ -428,25 +450,30 @@ impl Worker {
         if traffic.sent > 0 {
             self.metrics.sent_bytes.inc_by(traffic.sent);
         }
-        let interest = match status {
-            Status::Busy => {
-                self.ready.push(key);
-                if !was_blocked {
-                    return;
-                }
-                Interest::READABLE
-            }
-            Status::Idle if was_blocked => Interest::READABLE,
-            Status::Blocked if !was_blocked => {
-                tracing::trace!(
-                    worker = self.id,
-                    conn = key,
-                    "write blocked; holding unsent bytes"
-                );
-                Interest::READABLE | Interest::WRITABLE
-            }
-            Status::Idle | Status::Blocked => return,
+        match status {
             Status::Closed(reason) => return self.close(conns, key, reason),
+            Status::Busy => self.ready.push(key),
+            Status::Closing(reason) => {
+                self.count_closing(reason);
+                // Bytes may wait behind the ones that made it close.
+                self.ready.push(key);
+            }
+            Status::Idle | Status::Blocked => {}
+        }
+        // Writability is watched exactly while bytes wait for the kernel.
+        let blocked = conn.has_unsent();
+        if blocked == was_blocked {
+            return;
+        }
+        let interest = if blocked {
+            tracing::trace!(
+                worker = self.id,
+                conn = key,
+                "write blocked; holding unsent bytes"
+            );
+            Interest::READABLE | Interest::WRITABLE
+        } else {
+            Interest::READABLE
         };
         let fd = conn.stream.as_raw_fd();
         if let Err(e) = self
@@ -459,6 +486,9 @@ impl Worker {
         }
     }
 
+    /// Drops a connection and gives back its slot. Its close is counted
+    /// under `reason`, unless it was in its close handshake, whose close
+    /// was counted when it began ([`Worker::count_closing`]).
     fn close(&mut self, conns: &mut Conns, key: usize, reason: CloseReason) {
         // Closing the descriptor also removes it from the epoll set.
         let conn = conns.remove(key);
@@ -466,18 +496,88 @@ impl Worker {
             self.budget.release(conn.held());
             self.metrics.partial_bytes.set(self.budget.used as i64);
         }
+        let was_closing = conn.phase() == Phase::Closing;
         drop(conn);
-        self.shared.release();
+        if was_closing {
+            self.closing -= 1;
+            self.shared.release_closing();
+            self.metrics.closing.dec();
+        } else {
+            self.shared.release();
+            self.metrics.connections.dec();
+            self.metrics.closed(reason).inc();
+        }
+    }
+
+    /// A connection entered its close handshake: its close counts now, it
+    /// leaves `c10m_connections` for `c10m_connections_closing`, and keeps
+    /// its slot until [`Worker::close`].
+    fn count_closing(&mut self, reason: CloseReason) {
+        self.closing += 1;
+        self.shared.begin_closing();
+        // The gauges first: a scrape that sees the close counted sees them
+        // moved too.
         self.metrics.connections.dec();
+        self.metrics.closing.inc();
         self.metrics.closed(reason).inc();
     }
 
-    /// Closes with a protocol goodbye (WebSocket close 1001), then FIN.
-    fn close_politely(&mut self, conns: &mut Conns, key: usize, reason: CloseReason) {
+    /// Closes with a protocol goodbye. An open WebSocket gets a close frame
+    /// (the status for `reason`, [`CloseReason::ws_code`]) and enters its
+    /// close handshake, counted now; the socket closes when the peer closes
+    /// its side or at the close timeout. One already closing is closed at
+    /// once (its time is up); the others (echo, an upgrade under way, a
+    /// WebSocket answering its peer's close) get [`Worker::close_now`].
+    fn close_politely(&mut self, conns: &mut Conns, key: usize, reason: CloseReason, now: u32) {
+        let Some(conn) = conns.get_mut(key) else {
+            return;
+        };
+        match conn.phase() {
+            Phase::Closing => return self.close(conns, key, reason),
+            Phase::Open if self.limits.protocol == Protocol::Websocket && !conn.closing() => {}
+            Phase::Open | Phase::Handshake => return self.close_now(conns, key, reason),
+        }
+        let was_blocked = conn.has_unsent();
+        let mut t = Traffic::default();
+        let sent = conn.start_close(
+            reason.ws_code(),
+            &mut self.out,
+            &mut t,
+            now,
+            &mut self.budget,
+        );
+        self.metrics.sent_bytes.inc_by(t.sent);
+        self.metrics.partial_bytes.set(self.budget.used as i64);
+        if sent.is_err() {
+            return self.close(conns, key, reason);
+        }
+        self.count_closing(reason);
+        // Read what may already wait (the peer's answer, a blocked reply's
+        // backlog) on the next turn.
+        self.ready.push(key);
+        if was_blocked || !conn.has_unsent() {
+            return;
+        }
+        let fd = conn.stream.as_raw_fd();
+        let interest = Interest::READABLE | Interest::WRITABLE;
+        if let Err(e) = self
+            .poll
+            .registry()
+            .reregister(&mut SourceFd(&fd), Token(key), interest)
+        {
+            tracing::debug!(worker = self.id, error = %e, "epoll re-registration failed");
+            self.close(conns, key, CloseReason::Error);
+        }
+    }
+
+    /// Closes at once with a best-effort goodbye (WebSocket close 1001 if
+    /// open and not closing yet), then FIN: for the drain deadline and a
+    /// failed poll, which cannot wait for peers.
+    fn close_now(&mut self, conns: &mut Conns, key: usize, reason: CloseReason) {
         if let Some(conn) = conns.get_mut(key) {
             let mut t = Traffic::default();
             conn.goodbye(
-                self.limits.protocol == Protocol::Websocket,
+                self.limits.protocol == Protocol::Websocket && !conn.closing(),
                 reason,
                 &mut self.out,
                 &mut t,
@@ -491,7 +591,7 @@ impl Worker {
     }
 
     /// Closes what the running order allows now, starting at the cursor.
-    fn run_order(&mut self, conns: &mut Conns) {
+    fn run_order(&mut self, conns: &mut Conns, now: u32) {
         let Some(order) = self.order.clone() else {
             return;
         };
@@ -499,7 +599,7 @@ impl Worker {
             self.order = None;
             return;
         }
-        let want = (conns.len() as u64).min(ORDER_BATCH);
+        let want = ((conns.len() - self.closing) as u64).min(ORDER_BATCH);
         let got = order.claim(want, Instant::now());
         let mut left = got;
         let cap = conns.capacity();
@@ -511,7 +611,7 @@ impl Worker {
             }
             if conns
                 .get(self.cursor)
-                .is_some_and(|c| order.takes(c.phase()))
+                .is_some_and(|c| order.takes(c.phase()) && !c.closing())
             {
                 self.doomed.push((self.cursor, order.reason));
                 left -= 1;
@@ -522,7 +622,7 @@ impl Worker {
         order.unclaim(left);
         let doomed = std::mem::take(&mut self.doomed);
         for &(key, reason) in &doomed {
-            self.close_politely(conns, key, reason);
+            self.close_politely(conns, key, reason, now);
         }
         self.doomed = doomed;
     }
@@ -530,9 +630,11 @@ impl Worker {
     /// Once a second: closes WebSocket connections whose upgrade is
     /// overdue, whose unfinished frame is older than the frame timeout, or
     /// whose server ping went unanswered; with an idle timeout, connections
-    /// that read nothing for that long; and pings WebSockets silent for
-    /// `--ws-ping-secs`. Timestamps are whole seconds, so "more than `t`
-    /// ticks ago" means at least `t` and under `t + 2` seconds. Walks the
+    /// that read nothing for that long; those in their close handshake for
+    /// longer than the close timeout (at once, with no more goodbye); and
+    /// pings WebSockets silent for `--ws-ping-secs`. Timestamps are whole
+    /// seconds, so "more than `t` ticks ago" means at least `t` and under
+    /// `t + 2` seconds. Walks the
     /// slab (tens of microseconds per 10k connections) so that no
     /// per-connection timer exists.
     fn sweep(&mut self, conns: &mut Conns, now: u32) {
@@ -544,11 +646,16 @@ impl Worker {
             Protocol::Echo => 0,
         };
         let pong = self.limits.ws_pong_timeout_secs;
+        let close = self.limits.close_timeout_secs;
         self.doomed.clear();
         self.pings.clear();
         for (key, c) in conns.iter() {
             let age = now.wrapping_sub(c.since());
             match c.phase() {
+                // The reason is not counted: the close was, when it began.
+                Phase::Closing if c.closing_for(now).is_some_and(|t| t > close) => {
+                    self.doomed.push((key, CloseReason::Shutdown));
+                }
                 Phase::Handshake if age > hs => {
                     self.doomed.push((key, CloseReason::HandshakeTimeout));
                 }
@@ -572,7 +679,7 @@ impl Worker {
         }
         let doomed = std::mem::take(&mut self.doomed);
         for &(key, reason) in &doomed {
-            self.close_politely(conns, key, reason);
+            self.close_politely(conns, key, reason, now);
         }
         self.doomed = doomed;
         if self.doomed.capacity() > 4 * ORDER_BATCH as usize {
@@ -623,7 +730,7 @@ impl Worker {
     fn close_all(&mut self, conns: &mut Conns, reason: CloseReason) {
         let keys: Vec<usize> = conns.iter().map(|(k, _)| k).collect();
         for key in keys {
-            self.close_politely(conns, key, reason);
+            self.close_now(conns, key, reason);
         }
     }
 }

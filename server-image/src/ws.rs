@@ -115,6 +115,75 @@ fn has_token(value: &[u8], token: &str) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
+/// Whether `b` is a `tchar`, a character of an HTTP token [RFC 7230 §3.2.6,
+/// unchanged in RFC 9110 §5.6.2]: letters, digits and ``!#$%&'*+-.^_`|~``.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// The WebSocket subprotocols the server accepts (`--subprotocols`): names
+/// an upgrade's answer may choose from what the client offers
+/// ([`handshake_with`]). Each is an HTTP token, as RFC 6455 §4.1 requires
+/// of the values of `Sec-WebSocket-Protocol` ("characters in the range
+/// U+0021 to U+007E not including separator characters"), and none is
+/// named twice. Cheap to clone: the workers and the drain's accept window
+/// share one list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Subprotocols(std::sync::Arc<[Box<str>]>);
+
+impl Subprotocols {
+    /// Parses a comma-separated list (`chat, v2.example`): whitespace around
+    /// names and empty elements are ignored, so an empty value means none.
+    /// The error names the offending element.
+    pub fn parse(list: &str) -> Result<Self, String> {
+        let mut names: Vec<Box<str>> = Vec::new();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            if !name.bytes().all(is_tchar) {
+                return Err(format!(
+                    "{name:?} is not an RFC 7230 token (letters, digits and \
+                     !#$%&'*+-.^_`|~ only; no spaces, quotes, slashes or other separators)"
+                ));
+            }
+            if names.iter().any(|n| **n == *name) {
+                return Err(format!("{name:?} is named twice"));
+            }
+            names.push(name.into());
+        }
+        Ok(Subprotocols(names.into()))
+    }
+
+    /// The accepted names, in the order configured.
+    pub fn names(&self) -> &[Box<str>] {
+        &self.0
+    }
+
+    /// Whether no subprotocol is accepted.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The first name in `offers` (the values of the request's
+    /// `Sec-WebSocket-Protocol` field lines, in order; each a
+    /// comma-separated list) that is accepted. Names compare exactly, as
+    /// clients compare the answer with what they offered.
+    fn choose<'a>(&self, offers: impl IntoIterator<Item = &'a [u8]>) -> Option<&'a [u8]> {
+        if self.is_empty() {
+            return None;
+        }
+        offers
+            .into_iter()
+            .flat_map(|v| v.split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .find(|o| self.0.iter().any(|n| n.as_bytes() == *o))
+    }
+}
+
+impl std::fmt::Display for Subprotocols {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.join(","))
+    }
+}
+
 /// Whether every element of the list `value` is `0` (a `Content-Length` of
 /// zero, possibly repeated [RFC 9112 §6.3]).
 fn all_zero(value: &[u8]) -> bool {
@@ -189,15 +258,27 @@ Content-Length: 0\r\nConnection: close\r\n\r\n";
 /// before a colon, obsolete line folding; `httparse` refuses those in
 /// requests) is 400; a head over [`MAX_HANDSHAKE_BYTES`] or with more than
 /// [`MAX_HANDSHAKE_HEADERS`] field lines is 431.
+///
+/// No subprotocol is accepted: the 101 never names one. See
+/// [`handshake_with`].
 pub fn handshake(buf: &[u8]) -> Handshake {
+    handshake_with(buf, &Subprotocols::default())
+}
+
+/// [`handshake`], accepting the `subprotocols` configured: the 101 names
+/// (`Sec-WebSocket-Protocol`) the first protocol the client offers that is
+/// on the list, in the client's order (its field lines in order, each a
+/// comma-separated list, RFC 9110 §5.3), and has no such field if none is
+/// [RFC 6455 §4.2.2, item 5.4]. Offers never make a request invalid.
+pub fn handshake_with(buf: &[u8], subprotocols: &Subprotocols) -> Handshake {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HANDSHAKE_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => answer(&req, n),
+        Ok(httparse::Status::Complete(n)) => answer(&req, n, subprotocols),
         Ok(httparse::Status::Partial) if buf.len() >= MAX_HANDSHAKE_BYTES => too_large(),
         Ok(httparse::Status::Partial) => Handshake::Partial,
         Err(httparse::Error::TooManyHeaders) => too_large(),
-        Err(httparse::Error::Version) => later_version(buf),
+        Err(httparse::Error::Version) => later_version(buf, subprotocols),
         Err(_) => bad_request(),
     }
 }
@@ -205,7 +286,7 @@ pub fn handshake(buf: &[u8]) -> Handshake {
 /// `httparse` knows HTTP/1.0 and 1.1 only. A request line ending in
 /// `HTTP/1.x` with a later minor version is processed as HTTP/1.1
 /// [RFC 9112 §2.3]; another well-formed version is 505; anything else 400.
-fn later_version(buf: &[u8]) -> Handshake {
+fn later_version(buf: &[u8], subprotocols: &Subprotocols) -> Handshake {
     // Empty lines before the request line are skipped [RFC 9112 §2.2].
     let start = buf
         .iter()
@@ -230,7 +311,7 @@ fn later_version(buf: &[u8]) -> Handshake {
             // if `httparse` objected to something else: 400 below.)
             let mut copy = buf[..buf.len().min(MAX_HANDSHAKE_BYTES)].to_vec();
             copy[start + sp + 8] = b'1';
-            handshake(&copy)
+            handshake_with(&copy, subprotocols)
         }
         [b'H', b'T', b'T', b'P', b'/', major, b'.', minor]
             if major != b'1' && major.is_ascii_digit() && minor.is_ascii_digit() =>
@@ -242,7 +323,11 @@ fn later_version(buf: &[u8]) -> Handshake {
 }
 
 /// Checks a complete request head against the rules of [`handshake`].
-fn answer(req: &httparse::Request<'_, '_>, consumed: usize) -> Handshake {
+fn answer(
+    req: &httparse::Request<'_, '_>,
+    consumed: usize,
+    subprotocols: &Subprotocols,
+) -> Handshake {
     if consumed > MAX_HANDSHAKE_BYTES {
         return too_large();
     }
@@ -293,9 +378,19 @@ Upgrade: websocket\r\nContent-Length: 0\r\nConnection: Upgrade, close\r\n\r\n"
     if decoded.map(|k| k.len()) != Ok(16) {
         return bad_request();
     }
+    let offers = req
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("sec-websocket-protocol"))
+        .map(|h| h.value);
+    // A chosen name is one of the configured tokens, so plain ASCII.
+    let protocol = subprotocols
+        .choose(offers)
+        .map(|p| format!("Sec-WebSocket-Protocol: {}\r\n", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
     let response = format!(
         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-         Sec-WebSocket-Accept: {}\r\n\r\n",
+         Sec-WebSocket-Accept: {}\r\n{protocol}\r\n",
         accept_key(key)
     )
     .into_bytes();
@@ -958,6 +1053,128 @@ Sec-WebSocket-Version: 13\r\n\r\n";
         assert!(
             matches!(handshake(&lead), Handshake::Accept { consumed, .. } if consumed == lead.len())
         );
+    }
+
+    /// The subprotocol a 101 names, if any (`None` for a refusal).
+    fn chosen(fields: &[&str], accepted: &str) -> Option<Option<String>> {
+        let accepted = Subprotocols::parse(accepted).unwrap();
+        let req = request("GET /chat HTTP/1.1", &fields_with(&[], fields));
+        let Handshake::Accept { response, .. } = handshake_with(&req, &accepted) else {
+            return None;
+        };
+        let r = String::from_utf8(response).unwrap();
+        let names: Vec<String> = r
+            .lines()
+            .filter_map(|l| l.strip_prefix("Sec-WebSocket-Protocol: "))
+            .map(String::from)
+            .collect();
+        assert!(names.len() <= 1, "{r}");
+        assert!(
+            r.ends_with("\r\n\r\n") && !r.ends_with("\r\n\r\n\r\n"),
+            "{r}"
+        );
+        Some(names.into_iter().next())
+    }
+
+    #[test]
+    fn subprotocol_is_the_first_accepted_offer_in_client_order() {
+        // Issue 21, item 15. RFC 6455 §4.2.2: one of the offered values, or
+        // no field at all.
+        let some = |s: &str| Some(Some(s.to_string()));
+        let list = "chat,v2.example";
+        assert_eq!(
+            chosen(&["Sec-WebSocket-Protocol: v2.example, chat"], list),
+            some("v2.example")
+        );
+        assert_eq!(
+            chosen(&["Sec-WebSocket-Protocol: chat, v2.example"], list),
+            some("chat")
+        );
+        assert_eq!(
+            chosen(&["Sec-WebSocket-Protocol: mqtt,chat"], list),
+            some("chat")
+        );
+        // Several field lines are one list, in order (RFC 9110 §5.3);
+        // whitespace and empty elements are ignored.
+        assert_eq!(
+            chosen(
+                &[
+                    "Sec-WebSocket-Protocol: mqtt",
+                    "sec-websocket-protocol: ,  v2.example\t, chat",
+                    "Sec-WebSocket-Protocol: chat",
+                ],
+                list
+            ),
+            some("v2.example")
+        );
+        // No match, exact comparison, nothing offered, nothing accepted:
+        // still an upgrade, without the field.
+        for (fields, accepted) in [
+            (&["Sec-WebSocket-Protocol: mqtt, Chat, CHAT, v2"][..], list),
+            (&["Sec-WebSocket-Protocol: chat;v=2, \"chat\""], list),
+            (&["Sec-WebSocket-Protocol:"], list),
+            (&[], list),
+            (&["Sec-WebSocket-Protocol: chat"], ""),
+        ] {
+            assert_eq!(
+                chosen(fields, accepted),
+                Some(None),
+                "{fields:?} {accepted:?}"
+            );
+        }
+        // Offers never make a request invalid.
+        assert_eq!(
+            chosen(&["Sec-WebSocket-Protocol: a b, /, \u{e9}"], list),
+            Some(None)
+        );
+        // HTTP/1.x later minor versions negotiate too.
+        let req = request(
+            "GET /chat HTTP/1.3",
+            &fields_with(&[], &["Sec-WebSocket-Protocol: chat"]),
+        );
+        let Handshake::Accept { response, .. } =
+            handshake_with(&req, &Subprotocols::parse(list).unwrap())
+        else {
+            panic!()
+        };
+        assert!(
+            String::from_utf8(response)
+                .unwrap()
+                .contains("\r\nSec-WebSocket-Protocol: chat\r\n")
+        );
+    }
+
+    #[test]
+    fn configured_subprotocols_are_unique_tokens() {
+        let names = |l: &str| {
+            Subprotocols::parse(l)
+                .map(|s| s.names().iter().map(|n| n.to_string()).collect::<Vec<_>>())
+        };
+        assert_eq!(names("").unwrap(), Vec::<String>::new());
+        assert_eq!(names(" , ").unwrap(), Vec::<String>::new());
+        assert_eq!(names("chat").unwrap(), ["chat"]);
+        assert_eq!(
+            names(" chat , v2.example,,mqtt ").unwrap(),
+            ["chat", "v2.example", "mqtt"]
+        );
+        assert_eq!(names("a!#$%&'*+-.^_`|~9Z").unwrap(), ["a!#$%&'*+-.^_`|~9Z"]);
+        assert_eq!(
+            Subprotocols::parse("chat, v2").unwrap().to_string(),
+            "chat,v2"
+        );
+        for (bad, says) in [
+            ("chat,bad token", "\"bad token\""),
+            ("a/b", "\"a/b\""),
+            ("\"chat\"", "token"),
+            ("chat;v=2", "token"),
+            ("caf\u{e9}", "token"),
+            ("chat,x,chat", "twice"),
+            ("(x)", "token"),
+            ("a\tb", "token"),
+        ] {
+            let e = Subprotocols::parse(bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
     }
 
     #[test]

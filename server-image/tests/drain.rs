@@ -52,6 +52,9 @@ fn shed_needs_the_token_then_closes_exactly_count_at_rate_with_1001() {
         sample(m, "c10m_connections_closed_total{reason=\"shed\"}") == Some(100.0)
     });
     assert_eq!(sum(&m, "c10m_connections"), 200.0);
+    // Counted when their close went out; they wait for their clients'
+    // close (issue 21, item 14), which these clients have not sent yet.
+    assert_eq!(sum(&m, "c10m_connections_closing"), 100.0);
     assert_eq!(value(&m, "c10m_draining"), 0.0);
     let ended: Vec<&Ending> = endings.iter().flatten().collect();
     assert_eq!(ended.len(), 100, "exactly count connections closed");
@@ -73,6 +76,17 @@ fn shed_needs_the_token_then_closes_exactly_count_at_rate_with_1001() {
             ws_echo(c, b"survivor");
         }
     }
+    // The shed clients close their side: the server's sockets go at once.
+    let survivors: Vec<TcpStream> = conns
+        .into_iter()
+        .zip(&endings)
+        .filter_map(|(c, e)| e.is_none().then_some(c))
+        .collect();
+    let m = server.wait_metrics("shed sockets closed", |m| {
+        sum(m, "c10m_connections_closing") == 0.0
+    });
+    assert_eq!(sum(&m, "c10m_connections"), 201.0);
+    drop(survivors);
 }
 
 #[test]
@@ -117,6 +131,9 @@ fn sigterm_drains_websockets_at_the_flag_rate_with_1001() {
     }
     let s = span(&endings);
     assert!((0.4..5.0).contains(&s), "150 closes at 300/s took {s:.3} s");
+    // The clients close their side, as clients do after a close; the
+    // server waits for that (up to --close-timeout-secs) before it exits.
+    drop(conns);
     assert_eq!(server.wait_exit(Duration::from_secs(5)).code(), Some(0));
 }
 

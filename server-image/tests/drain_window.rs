@@ -131,6 +131,9 @@ fn sigterm_with_40_websockets_at_rate_10_refuses_no_connect_in_the_window() {
     for e in endings.iter().flatten() {
         assert_eq!(e.bytes, GOODBYE_1001);
     }
+    // The clients close their side; the server waits for that (up to
+    // --close-timeout-secs) before it exits.
+    drop(held);
     assert_eq!(server.wait_exit(Duration::from_secs(10)).code(), Some(0));
 }
 
@@ -169,6 +172,7 @@ fn after_the_window_the_listeners_are_gone_while_the_drain_goes_on() {
     assert!(sum(&m, "c10m_connections") > 0.0, "{m}");
     let endings = watch_endings(&mut held, 60, Duration::from_secs(15));
     assert_eq!(endings.iter().flatten().count(), 60);
+    drop(held);
     assert_eq!(server.wait_exit(Duration::from_secs(10)).code(), Some(0));
 }
 

@@ -222,6 +222,10 @@ fn abuse_100k_leaves_no_fd_or_memory_growth() {
             == (EACH * ROUNDS) as f64
     });
     assert_eq!(sum(&m, "c10m_connections"), 1.0);
+    // The refused and the 1009s wait for their clients' close (issue 21).
+    server.wait_metrics("no close handshake left", |m| {
+        sum(m, "c10m_connections_closing") == 0.0
+    });
     let (fds, rss) = (open_fds(pid), rss_bytes(pid));
     eprintln!("fds {fds0} -> {fds}; rss after round 1 {rss_after_first} B, after 100k {rss} B");
     assert_eq!(fds, fds0, "descriptors leaked");

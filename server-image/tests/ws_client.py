@@ -50,6 +50,16 @@ async def main(uri, max_frame):
         assert ws.close_code == 1000, ws.close_code
         ok("close handshake echoes 1000")
 
+    # Subprotocols (the server runs with --subprotocols chat): the first
+    # offer on its list is chosen; an offer of none of them gets none.
+    async with websockets.connect(
+        uri, compression=None, subprotocols=["superchat", "chat"]
+    ) as ws:
+        assert ws.subprotocol == "chat", ws.subprotocol
+        await ws.send("with chat")
+        assert await ws.recv() == "with chat"
+        ok("subprotocol negotiated (first acceptable offer)")
+
     # Oversize frame: the server fails the connection with 1009.
     async with websockets.connect(uri, compression=None, max_size=None) as ws:
         await ws.send(b"y" * (max_frame + 1))

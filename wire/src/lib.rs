@@ -72,6 +72,13 @@ pub mod env {
     pub const WS_PING_SECS: &str = "C10M_WS_PING_SECS";
     /// Seconds a server ping may go unanswered before the close.
     pub const WS_PONG_TIMEOUT_SECS: &str = "C10M_WS_PONG_TIMEOUT_SECS";
+    /// Seconds the server waits, after its WebSocket close frame (or HTTP
+    /// error answer), for the client to close its side before it closes
+    /// the socket anyway.
+    pub const CLOSE_TIMEOUT_SECS: &str = "C10M_CLOSE_TIMEOUT_SECS";
+    /// WebSocket subprotocols the server accepts, comma-separated tokens
+    /// (unset or empty: none).
+    pub const SUBPROTOCOLS: &str = "C10M_SUBPROTOCOLS";
     /// `UID:GID` (decimal, both non-zero) the server drops to before it
     /// serves.
     ///
@@ -364,6 +371,8 @@ mod tests {
             env::PARTIAL_BUDGET_BYTES,
             env::WS_PING_SECS,
             env::WS_PONG_TIMEOUT_SECS,
+            env::CLOSE_TIMEOUT_SECS,
+            env::SUBPROTOCOLS,
         ];
         let set: std::collections::BTreeSet<_> = names.iter().collect();
         assert_eq!(set.len(), names.len());
