@@ -49,44 +49,49 @@ fn lean_node(n: &mut Node) {
     }
 }
 
-/// The objects `api` holds under `wc` as they change, each made `lean`
-/// and kept in `writer`'s store before it triggers anything ([`keep`]).
-fn stored<K>(
-    api: Api<K>,
-    wc: watcher::Config,
-    lean: fn(&mut K),
-    writer: reflector::store::Writer<K>,
-) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
-where
+/// What a controller's store can keep: a namespaced or cluster object the
+/// watcher can read and the reflector can share between tasks.
+pub trait Kept:
+    Resource<DynamicType = ()>
+    + Clone
+    + serde::de::DeserializeOwned
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Kept for K where
     K: Resource<DynamicType = ()>
         + Clone
         + serde::de::DeserializeOwned
         + std::fmt::Debug
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// The objects `api` holds under `wc` as they change, each made `lean`
+/// and kept in `writer`'s store before it triggers anything ([`keep`]).
+fn stored<K: Kept>(
+    api: Api<K>,
+    wc: watcher::Config,
+    lean: fn(&mut K),
+    writer: reflector::store::Writer<K>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
     keep(watcher(api, wc), lean, writer)
 }
 
 /// The objects of the watch `events`, each made `lean` and kept in
 /// `writer`'s store before it is passed on: what the controller's stores
 /// hold (`tests/store_heap.rs` feeds it 1,000 fleets' objects).
-pub fn keep<K, S>(
-    events: S,
+pub fn keep<K: Kept>(
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     lean: fn(&mut K),
     writer: reflector::store::Writer<K>,
-) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
-{
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
     events.modify(lean).reflect(writer).applied_objects()
 }
 

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 
 use c10m_operator::api::ConnectionFleet;
-use c10m_operator::controller::{keep, lean};
+use c10m_operator::controller::{Kept, keep, lean};
 use c10m_operator::plan::{self, NodeFacts, NodeRuntime};
 use c10m_operator::policy::Policy;
 use c10m_operator::render;
@@ -31,7 +31,6 @@ use kube::Resource;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 #[global_allocator]
@@ -157,16 +156,7 @@ fn owned(i: usize) -> render::Rendered {
 
 /// Keeps what `objects` makes (one at a time) through [`keep`], as a
 /// watch's initial list, made lean with `lean`; returns the store.
-fn fill<K>(objects: impl Iterator<Item = K> + Send + 'static, lean: fn(&mut K)) -> Store<K>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
+fn fill<K: Kept>(objects: impl Iterator<Item = K> + Send + 'static, lean: fn(&mut K)) -> Store<K> {
     let (store, writer) = reflector::store();
     let events = stream::iter(
         std::iter::once(watcher::Event::Init)

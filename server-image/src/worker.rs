@@ -18,7 +18,7 @@
 use std::fs::File;
 use std::io::{self, ErrorKind};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -476,6 +476,12 @@ impl Worker {
             Interest::READABLE
         };
         let fd = conn.stream.as_raw_fd();
+        self.rearm(conns, key, fd, interest);
+    }
+
+    /// Watches `key`'s descriptor `fd` for `interest` from now on; a
+    /// connection epoll refuses is closed (counted as an error).
+    fn rearm(&mut self, conns: &mut Conns, key: usize, fd: RawFd, interest: Interest) {
         if let Err(e) = self
             .poll
             .registry()
@@ -559,15 +565,7 @@ impl Worker {
             return;
         }
         let fd = conn.stream.as_raw_fd();
-        let interest = Interest::READABLE | Interest::WRITABLE;
-        if let Err(e) = self
-            .poll
-            .registry()
-            .reregister(&mut SourceFd(&fd), Token(key), interest)
-        {
-            tracing::debug!(worker = self.id, error = %e, "epoll re-registration failed");
-            self.close(conns, key, CloseReason::Error);
-        }
+        self.rearm(conns, key, fd, Interest::READABLE | Interest::WRITABLE);
     }
 
     /// Closes at once with a best-effort goodbye (WebSocket close 1001 if
@@ -709,15 +707,7 @@ impl Worker {
         }
         if !was_blocked && conn.has_unsent() {
             let fd = conn.stream.as_raw_fd();
-            let interest = Interest::READABLE | Interest::WRITABLE;
-            if let Err(e) =
-                self.poll
-                    .registry()
-                    .reregister(&mut SourceFd(&fd), Token(key), interest)
-            {
-                tracing::debug!(worker = self.id, error = %e, "epoll re-registration failed");
-                self.close(conns, key, CloseReason::Error);
-            }
+            self.rearm(conns, key, fd, Interest::READABLE | Interest::WRITABLE);
         }
     }
 

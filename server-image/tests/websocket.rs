@@ -522,13 +522,10 @@ fn the_server_waits_for_the_peers_close_and_ends_on_it() {
     assert_eq!(s.read(&mut [0u8; 16]).unwrap(), 0);
 }
 
-/// Issue 21, item 14: the wait is bounded in time: a client that reads the
-/// close and its FIN but never answers nor closes is cut off at
-/// `--close-timeout-secs` (1 s here, swept once a second: 1 to 3 s), its
-/// descriptor released; bytes it sends after that draw a reset.
-#[test]
-fn a_client_that_never_answers_the_close_is_cut_off_at_the_close_timeout() {
-    let server = Server::start(
+/// One worker refusing frames over 4 KiB, waiting up to `close_timeout`
+/// seconds for a client's answer to its close.
+fn closing_server(close_timeout: &str) -> Server {
+    Server::start(
         1,
         &[
             "--protocol",
@@ -536,9 +533,18 @@ fn a_client_that_never_answers_the_close_is_cut_off_at_the_close_timeout() {
             "--max-frame-bytes",
             "4096",
             "--close-timeout-secs",
-            "1",
+            close_timeout,
         ],
-    );
+    )
+}
+
+/// Issue 21, item 14: the wait is bounded in time: a client that reads the
+/// close and its FIN but never answers nor closes is cut off at
+/// `--close-timeout-secs` (1 s here, swept once a second: 1 to 3 s), its
+/// descriptor released; bytes it sends after that draw a reset.
+#[test]
+fn a_client_that_never_answers_the_close_is_cut_off_at_the_close_timeout() {
+    let server = closing_server("1");
     let pid = server.child.id();
     let fds0 = open_fds(pid);
     let mut s = ws_connect(&server);
@@ -572,17 +578,7 @@ fn a_client_that_never_answers_the_close_is_cut_off_at_the_close_timeout() {
 #[test]
 fn a_client_that_floods_after_the_close_is_cut_off_at_the_byte_bound() {
     const BOUND: f64 = (8 << 20) as f64;
-    let server = Server::start(
-        1,
-        &[
-            "--protocol",
-            "websocket",
-            "--max-frame-bytes",
-            "4096",
-            "--close-timeout-secs",
-            "60",
-        ],
-    );
+    let server = closing_server("60");
     let mut s = ws_connect(&server);
     s.write_all(&frame_header(1 << 40)).unwrap();
     assert_eq!(read_n(&mut s, 4).unwrap(), CLOSE_1009);

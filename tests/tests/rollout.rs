@@ -390,21 +390,32 @@ fn roll(r: &Roll) -> Value {
     // The leader killed (failover): the survivor and when.
     let mut killed: Option<(usize, Instant)> = None;
     let finals = wait_for("the rollout to complete", timeout, || {
-        // KWOK hands a deleted pod's IP to the next pod: an IP counts as
-        // the old shard's only while its pod is there before and after the
-        // read.
-        let holds = |name: &str, ip: &str| pods(ns).iter().any(|p| p.name == name && p.ip == ip);
-        for (name, (ip, _, last, _)) in accepted.iter_mut() {
-            if !holds(name, ip) {
-                continue;
-            }
-            let n = metric_sum(ip, "c10m_connections_accepted_total");
-            if let Some(n) = n.filter(|_| holds(name, ip)) {
+        // KWOK hands a deleted pod's IP to the next pod: a read counts for
+        // an old shard only when its pod holds that IP in listings taken
+        // before and after the reads.
+        let holds = |listed: &[ShardPod], name: &str, ip: &str| {
+            listed.iter().any(|p| p.name == name && p.ip == ip)
+        };
+        let before = pods(ns);
+        let reads: Vec<(String, i64)> = accepted
+            .iter()
+            .filter(|(name, (ip, ..))| holds(&before, name, ip))
+            .filter_map(|(name, (ip, ..))| {
+                Some((
+                    name.clone(),
+                    metric_sum(ip, "c10m_connections_accepted_total")?,
+                ))
+            })
+            .collect();
+        let after = pods(ns);
+        for (name, n) in reads {
+            let (ip, _, last, _) = accepted.get_mut(&name).expect("read above");
+            if holds(&after, &name, ip) {
                 *last = (*last).max(n);
             }
         }
         most_pods = most_pods.max(fleet_pods(ns, FLEET).len());
-        let stepped = pods(ns).iter().filter(|p| p.hash == old_hash).count() < shards;
+        let stepped = after.iter().filter(|p| p.hash == old_hash).count() < shards;
         if r.third_revision && restarted_again.is_none() && stepped {
             // Through the fleet, as a user would.
             let image = r#"{"spec":{"server":{"image":"c10m.local/server:third-revision"}}}"#;
@@ -426,7 +437,7 @@ fn roll(r: &Roll) -> Value {
         // The interrupted revision's shards count as old from their cordon
         // (or their drain) on.
         if old_hashes.len() > 1 {
-            for p in pods(ns) {
+            for p in &after {
                 if p.hash != new_hash || accepted.contains_key(&p.name) || healthz(&p.ip) != 503 {
                     continue;
                 }
