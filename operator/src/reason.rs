@@ -127,6 +127,8 @@ pub enum Reason {
     Rebalancing,
     /// A shed order failed (event).
     ShedFailed,
+    /// A scale-in removed shards other than those marked to go (event).
+    ScaleInUnmarkedRemoved,
     // --- kernel drift ---
     /// A shard runs under a kernel setting below its plan (condition, event).
     BelowPlan,
@@ -137,7 +139,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 41] = [
+    pub const ALL: [Reason; 42] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -177,6 +179,7 @@ impl Reason {
         Reason::ScaledIn,
         Reason::Rebalancing,
         Reason::ShedFailed,
+        Reason::ScaleInUnmarkedRemoved,
         Reason::BelowPlan,
         Reason::KernelNotReported,
     ];
@@ -228,6 +231,7 @@ impl Reason {
             Reason::ScaledIn => "ScaledIn",
             Reason::Rebalancing => "Rebalancing",
             Reason::ShedFailed => "ShedFailed",
+            Reason::ScaleInUnmarkedRemoved => "ScaleInUnmarkedRemoved",
             Reason::BelowPlan => "BelowPlan",
             Reason::KernelNotReported => "KernelNotReported",
         }

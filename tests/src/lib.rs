@@ -173,6 +173,10 @@ pub struct ShardPod {
     pub terminating: bool,
     /// Its `pod-template-hash`: which ReplicaSet (revision) it runs.
     pub hash: String,
+    /// The node it is bound to (`spec.nodeName`).
+    pub node: String,
+    /// Its annotations.
+    pub annotations: Value,
 }
 
 /// The pods of fleet `name` in `ns` that have an IP, as [`ShardPod`]s.
@@ -192,6 +196,11 @@ pub fn shard_pods(ns: &str, name: &str) -> Vec<ShardPod> {
                     .as_str()
                     .unwrap_or_default()
                     .to_string(),
+                node: p["spec"]["nodeName"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                annotations: p["metadata"]["annotations"].clone(),
             })
         })
         .collect()

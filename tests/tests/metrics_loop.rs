@@ -548,3 +548,152 @@ fn e_kernel_drift_names_the_shard_running_below_its_planned_nofile() {
         .count();
     assert_eq!(warnings, 1, "one Warning per drift");
 }
+
+/// Issue 21, items 6 and 7. A fleet planned to survive a node
+/// (`failureDomain: Node`) runs 6 shards, two on each KWOK node, and its
+/// clients all hold shards of `kwok-node-2` and `kwok-node-3`: the least
+/// loaded shards share `kwok-node-1`. A stale scale-in mark (−1000, as a
+/// failed apply leaves it) sits on the busiest shard. The operator lifts
+/// the mark, and when `spec.connections` drops to a floor of 4 it removes
+/// one shard of `kwok-node-1` and the least loaded of the others, never
+/// both of `kwok-node-1`'s (by load alone, that node would be emptied).
+#[test]
+fn f_scale_in_keeps_the_fleets_spread_over_nodes_and_lifts_stale_marks() {
+    let s = Scenario::start("ml-spread", "spread");
+    let manifest = |connections: u32| {
+        format!(
+            r#"apiVersion: c10m.dev/v1alpha1
+kind: ConnectionFleet
+metadata:
+  name: spread
+spec:
+  connections: {connections}
+  backend:
+    connectionsPerCpu: {SHARD_CAP}
+    protocol: websocket
+  shard:
+    cpus: 1
+    maxShards: 8
+  drain:
+    rate: 200
+  placement:
+    nodeSelector:
+      type: kwok
+{}"#,
+            autoscaling("")
+        )
+    };
+    // 1,200 connections plan 6 shards (3 per node over 2 nodes); the
+    // required spread places 2 on each of the 3 KWOK nodes.
+    let (ok, out) = apply(s.ns(), &manifest(1200));
+    assert!(ok, "{out}");
+    s.wait_targets(6);
+    let pods = shard_pods(s.ns(), "spread");
+    let per_node = |pods: &[ShardPod]| {
+        let mut m: BTreeMap<String, usize> = ["kwok-node-1", "kwok-node-2", "kwok-node-3"]
+            .iter()
+            .map(|n| (n.to_string(), 0))
+            .collect();
+        for p in pods.iter().filter(|p| p.ready) {
+            *m.entry(p.node.clone()).or_default() += 1;
+        }
+        m
+    };
+    assert!(
+        per_node(&pods).values().all(|&n| n == 2),
+        "{:?}",
+        per_node(&pods)
+    );
+    // Clients on the shards of kwok-node-2 and kwok-node-3 only.
+    let loaded: Vec<ShardPod> = pods
+        .iter()
+        .filter(|p| p.node != "kwok-node-1")
+        .cloned()
+        .collect();
+    let targets = workspace().join(format!("target/e2e-logs/{}-loaded", s.ns()));
+    write_targets(
+        &targets,
+        &loaded
+            .iter()
+            .map(|p| format!("{}:7000", p.ip))
+            .collect::<Vec<_>>(),
+    );
+    let load = Loadgen::start(&[
+        format!("--targets-file={}", targets.display()),
+        "--protocol=websocket".into(),
+        "--ping-rate=0".into(),
+        "--connections=400".into(),
+        "--rate=400".into(),
+        "--source-net=132".into(),
+    ]);
+    let loads = wait_for("400 connections on the 4 loaded shards", MINUTE, || {
+        let l = s.loads();
+        let on_loaded = loaded
+            .iter()
+            .filter(|p| l.get(&p.name).is_some_and(|&c| c > 0))
+            .count();
+        (l.values().sum::<i64>() == 400 && on_loaded == 4).then_some(l)
+    });
+    // A stale mark on the busiest shard.
+    let busiest = loaded
+        .iter()
+        .max_by_key(|p| loads[&p.name])
+        .expect("loaded shards")
+        .name
+        .clone();
+    kubectl(&[
+        "annotate",
+        "-n",
+        s.ns(),
+        "pod",
+        &busiest,
+        "controller.kubernetes.io/pod-deletion-cost=-1000",
+    ]);
+    let marked = Instant::now();
+    wait_for("the stale mark lifted", MINUTE, || {
+        shard_pods(s.ns(), "spread")
+            .iter()
+            .find(|p| p.name == busiest)
+            .filter(|p| p.annotations["controller.kubernetes.io/pod-deletion-cost"].is_null())
+            .map(|_| ())
+    });
+    println!(
+        "FIGURE stale_mark_lifted_s={:.1}",
+        marked.elapsed().as_secs_f64()
+    );
+
+    // 800 connections: a floor of 4, and 400 live need no more.
+    let (ok, out) = apply(s.ns(), &manifest(800));
+    assert!(ok, "{out}");
+    s.wait_fleet("4 shards desired", "spread", |f, _| desired(f) == 4);
+    let kept = wait_for("4 shards left", MINUTE, || {
+        let now = shard_pods(s.ns(), "spread");
+        (now.len() == 4 && now.iter().all(|p| p.ready)).then_some(now)
+    });
+    let spread = per_node(&kept);
+    println!("FIGURE scale_in_shards_per_node={spread:?}");
+    let (most, fewest) = (
+        spread.values().max().copied().unwrap_or(0),
+        spread.values().min().copied().unwrap_or(0),
+    );
+    assert!(
+        most - fewest <= 1,
+        "the scale-in left {spread:?}: one node holds two more shards than another"
+    );
+    assert!(
+        kept.iter().any(|p| p.name == busiest),
+        "the busiest shard {busiest} (its stale mark lifted) was removed: {kept:?}"
+    );
+    let scaled_in = events_for(s.ns(), "spread")
+        .into_iter()
+        .find(|(_, r, _)| r == "ScaledIn")
+        .expect("a ScaledIn event");
+    println!("scale-in event: {scaled_in:?}");
+    assert!(
+        !events_for(s.ns(), "spread")
+            .iter()
+            .any(|(_, r, _)| r == "ScaleInUnmarkedRemoved"),
+        "the ReplicaSet removed the shards marked"
+    );
+    drop(load);
+}

@@ -1,6 +1,7 @@
 //! Act (client required): carries out a [`Decision`] on the shards.
 //! Scale-in victims get pod-deletion-cost −1000, so the ReplicaSet
-//! controller removes them first; shed orders go to the bundled server's
+//! controller removes them first, and marks that outlived their scale-in
+//! are removed; shed orders go to the bundled server's
 //! admin endpoint (`POST /shed?count=N&rate=R`, bearer token). A failed API
 //! call ends the sync; a failed shed order becomes a `ShedFailed` event.
 
@@ -18,15 +19,16 @@ use super::rebalance::ShedOrder;
 use crate::names::POD_DELETION_COST;
 use crate::reason::{Announcement, EventAction, Reason};
 
-/// Marks the decision's victims, then sends its shed orders (orders to a
-/// pod with no IP yet are skipped). Each order a shard accepts is logged
-/// (`shed order accepted`, with its pod, count and rate).
+/// Lifts the marks the decision unmarks, marks its victims, then sends its
+/// shed orders (orders to a pod with no IP yet are skipped). Each lifted
+/// mark and each order a shard accepts is logged.
 pub async fn act(
     decision: &Decision,
     pods: &Api<Pod>,
     http: &reqwest::Client,
     token: &str,
 ) -> Result<Acted, kube::Error> {
+    unmark(pods, &decision.unmark).await?;
     mark_for_deletion(pods, &decision.victims).await?;
     let mut acted = Acted::default();
     let Some(plan) = &decision.shed else {
@@ -56,6 +58,23 @@ pub async fn mark_for_deletion(api: &Api<Pod>, victims: &[String]) -> Result<(),
     for v in victims {
         api.patch(v, &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
+    }
+    Ok(())
+}
+
+/// Removes the pod-deletion-cost of `pods` (marks of a scale-in that is
+/// over or called off). A pod already gone is skipped.
+pub async fn unmark(api: &Api<Pod>, pods: &[String]) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({"metadata": {"annotations": {POD_DELETION_COST: null}}});
+    for p in pods {
+        match api
+            .patch(p, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => info!(pod = %p, "scale-in mark lifted: its scale-in is over or called off"),
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }

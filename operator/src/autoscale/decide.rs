@@ -13,12 +13,21 @@
 //!   rule: unready pods never push a scale-down);
 //! - only a settled fleet is rebalanced (as many ready shards as replicas,
 //!   and no change of replicas in this sync), and never while paused;
+//! - scale-in victims keep the plan's spread over nodes when the plan
+//!   survives the loss of a node (`failureDomain: Node`): the least loaded
+//!   shards go first, but never so that one node holds two more of the
+//!   fleet's shards than another ([`victims`]);
+//! - a scale-in mark (pod-deletion-cost) lives only as long as its
+//!   scale-in: once the ReplicaSet has removed what the Deployment no
+//!   longer wants, every mark left is lifted, and the pods the ReplicaSet
+//!   removed are checked against the ones marked ([`settle_marks`]);
 //! - while a rollout is under way (`status.rollout`), no scale-in and no
 //!   rebalancing: either would close clients on top of the rollout's
 //!   drains, outside spec.rollout.maxReconnectRate, and could move a client
 //!   a rollout already moved. A scale-out goes on (ADR 0011 says where the
 //!   Deployment puts its shards).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -28,8 +37,8 @@ use super::policy;
 use super::prometheus::MetricsError;
 use super::rebalance::{self, ShardLoad, ShedOrder};
 use crate::api::{
-    AutoscalingSpec, AutoscalingStatus, ConnectionFleet, ConnectionFleetSpec, Plan, RebalanceSpec,
-    RebalanceStatus,
+    AutoscalingSpec, AutoscalingStatus, ConnectionFleet, ConnectionFleetSpec, FailureDomain, Plan,
+    RebalanceSpec, RebalanceStatus,
 };
 use crate::names::PAUSE_ANNOTATION;
 use crate::plan::{kernel::PAGE_BYTES, tcp_mem_pressure_pages};
@@ -44,6 +53,18 @@ pub struct Memory {
     pub rebalance: rebalance::State,
     /// Kernel drifts announced (pod, setting).
     pub drift: super::drift::Announced,
+    /// The last scale-in marked, until the ReplicaSet has carried it out.
+    pub scale_in: Option<ScaleIn>,
+}
+
+/// A scale-in as marked: what [`settle_marks`] checks the ReplicaSet's
+/// removals against.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScaleIn {
+    /// The pods marked to go.
+    pub victims: Vec<String>,
+    /// The fleet's active pods when they were marked.
+    pub pods: Vec<String>,
 }
 
 /// Everything [`decide`] looks at.
@@ -61,6 +82,9 @@ pub struct DecideInput<'a> {
     pub floor: i32,
     /// The plan's per-shard connection cap.
     pub shard_capacity: i64,
+    /// Scale-in keeps the shards spread over nodes: the plan survives the
+    /// loss of a node (`failureDomain: Node`).
+    pub spread: bool,
     /// The node's `tcp_mem` pressure threshold, bytes.
     pub tcp_mem_pressure_bytes: i64,
     /// The autoscaler status the fleet has now.
@@ -103,6 +127,7 @@ impl<'a> DecideInput<'a> {
             admin_port: spec.server.metrics_port,
             floor: plan.shards,
             shard_capacity: plan.shard_connection_limit,
+            spread: plan.failure_domain == FailureDomain::Node,
             tcp_mem_pressure_bytes: tcp_mem_pressure_pages(plan) * PAGE_BYTES,
             prev_autoscaling: prev.and_then(|p| p.autoscaling.as_ref()),
             prev_rebalance: prev.and_then(|p| p.rebalance.as_ref()),
@@ -177,6 +202,8 @@ pub struct Decision {
     pub outcome: Outcome,
     /// Pods to remove first on this scale-in (pod-deletion-cost), least loaded first.
     pub victims: Vec<String>,
+    /// Pods whose scale-in mark outlived its scale-in: the mark is lifted.
+    pub unmark: Vec<String>,
     /// Shed orders to send, when the rebalancer gave some.
     pub shed: Option<ShedPlan>,
 }
@@ -247,6 +274,13 @@ impl Decision {
 
 /// Decides one sync, updating `memory`.
 pub fn decide(i: &DecideInput<'_>, memory: &mut Memory) -> Decision {
+    let mut d = decide_shards(i, memory);
+    settle_marks(i, &mut d, memory);
+    d
+}
+
+/// Replicas, victims, shed orders, status parts and events of one sync.
+fn decide_shards(i: &DecideInput<'_>, memory: &mut Memory) -> Decision {
     let floor = i.floor;
     let mut d = Decision::default();
     let out = &mut d.outcome;
@@ -325,10 +359,11 @@ pub fn decide(i: &DecideInput<'_>, memory: &mut Memory) -> Decision {
             let p = policy::decide(a, &mut memory.history, i.now, i.current, &rec);
             let target = p.shards.max(floor);
             if target < i.current {
-                d.victims = least_loaded(
+                d.victims = victims(
                     &i.observation.pods,
                     &m.shards,
                     i.current.saturating_sub(target) as usize,
+                    i.spread,
                 );
                 out.events.push(Announcement::normal(
                     Reason::ScaledIn,
@@ -399,12 +434,114 @@ fn doubt(e: &MetricsError) -> Reason {
     }
 }
 
-/// The `n` active shards holding the fewest connections, by load first:
-/// a not-ready shard (or one not running yet, with no sample) goes before a
-/// ready one only at the same load, so only when it holds nothing does it
-/// go first. Terminating pods are no victims: their ReplicaSet no longer
-/// counts them.
-fn least_loaded(pods: &[ShardPod], loads: &[ShardLoad], n: usize) -> Vec<String> {
+/// Lifts the scale-in marks that outlived their scale-in, and checks what
+/// the ReplicaSet removed (issue 21, item 7). A mark left behind (an apply
+/// that failed after the marks, a leader that exited between them, a
+/// scale-in called off) would make the ReplicaSet remove that shard on
+/// some later scale-down, however full it has become since (kubernetes
+/// #126138).
+///
+/// Nothing is judged while the ReplicaSet has yet to act (more active pods
+/// than the Deployment's replicas: a scale-in under way, or a rollout's
+/// surge), nor on a read that holds (a hold touches no pod, and says
+/// nothing but why it holds; the check waits for the next good read), nor
+/// without a pod listing. Otherwise every marked active pod
+/// that is not a victim of this sync is unmarked, and a scale-in marked
+/// earlier ([`Memory::scale_in`]) is checked: when the ReplicaSet removed
+/// pods other than the marked ones (it ranks a pod that is not ready, or
+/// not running, before any pod-deletion-cost), a `ScaleInUnmarkedRemoved`
+/// Warning names them and the marked shards it kept.
+fn settle_marks(i: &DecideInput<'_>, d: &mut Decision, memory: &mut Memory) {
+    let active: Vec<&ShardPod> = i.observation.pods.iter().filter(|p| p.active).collect();
+    let read = matches!(i.observation.metrics, Some(Ok(_)));
+    if !read || active.is_empty() || active.len() as i32 > i.current {
+        return;
+    }
+    let is_active = |name: &String| active.iter().any(|p| &p.name == name);
+    d.unmark = active
+        .iter()
+        .filter(|p| p.marked && !d.victims.contains(&p.name))
+        .map(|p| p.name.clone())
+        .collect();
+    if let Some(s) = memory.scale_in.take() {
+        let removed: Vec<&String> = s.pods.iter().filter(|n| !is_active(n)).collect();
+        let unmarked: Vec<&str> = removed
+            .iter()
+            .filter(|n| !s.victims.contains(**n))
+            .map(|n| n.as_str())
+            .collect();
+        if !unmarked.is_empty() {
+            let kept: Vec<&str> = s
+                .victims
+                .iter()
+                .filter(|n| is_active(n))
+                .map(|n| n.as_str())
+                .collect();
+            d.outcome.events.push(Announcement::warning(
+                Reason::ScaleInUnmarkedRemoved,
+                EventAction::Autoscale,
+                format!(
+                    "the ReplicaSet removed {} instead of the shards marked to go ({}): it ranks a shard that is not ready or not running before any pod-deletion-cost",
+                    unmarked.join(", "),
+                    if kept.is_empty() { "none left".to_string() } else { kept.join(", ") }
+                ),
+            ));
+        }
+    }
+    if !d.victims.is_empty() {
+        memory.scale_in = Some(ScaleIn {
+            victims: d.victims.clone(),
+            pods: active.iter().map(|p| p.name.clone()).collect(),
+        });
+    }
+}
+
+/// The `n` active shards to remove first: the fewest connections first
+/// ([`by_load`]); with `spread`, only shards whose removal leaves the
+/// fleet's spread over nodes within one shard, or no wider than it was
+/// (the `maxSkew: 1` the scheduler placed them under, see
+/// [`crate::render`]), counting every node that holds one of its active
+/// shards now. A pod on the node holding the most always qualifies, so
+/// there are always `n` victims when `n` active pods exist. Pods not yet
+/// bound to a node leave the spread as it is.
+fn victims(pods: &[ShardPod], loads: &[ShardLoad], n: usize, spread: bool) -> Vec<String> {
+    let mut left = by_load(pods, loads);
+    let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
+    for p in &left {
+        if let Some(node) = &p.node {
+            *per_node.entry(node).or_default() += 1;
+        }
+    }
+    let skew =
+        |m: &BTreeMap<&str, usize>| m.values().max().unwrap_or(&0) - m.values().min().unwrap_or(&0);
+    let mut out = Vec::new();
+    while out.len() < n {
+        let keeps_spread = |p: &&ShardPod| {
+            let Some(node) = p.node.as_deref().filter(|_| spread) else {
+                return true;
+            };
+            let mut after = per_node.clone();
+            after.entry(node).and_modify(|c| *c -= 1);
+            skew(&after) <= skew(&per_node).max(1)
+        };
+        let Some(k) = left.iter().position(keeps_spread) else {
+            break;
+        };
+        let p = left.remove(k);
+        if let Some(c) = p.node.as_deref().and_then(|node| per_node.get_mut(node)) {
+            *c -= 1;
+        }
+        out.push(p.name.clone());
+    }
+    out
+}
+
+/// The active shards by load, fewest connections first: a not-ready shard
+/// (or one not running yet, with no sample) goes before a ready one only
+/// at the same load, so only when it holds nothing does it go first.
+/// Terminating pods are no victims: their ReplicaSet no longer counts
+/// them.
+fn by_load<'a>(pods: &'a [ShardPod], loads: &[ShardLoad]) -> Vec<&'a ShardPod> {
     let load = |p: &ShardPod| {
         loads
             .iter()
@@ -413,7 +550,7 @@ fn least_loaded(pods: &[ShardPod], loads: &[ShardLoad], n: usize) -> Vec<String>
     };
     let mut v: Vec<&ShardPod> = pods.iter().filter(|p| p.active).collect();
     v.sort_by_key(|p| (load(p), p.ready, p.name.clone()));
-    v.into_iter().take(n).map(|p| p.name.clone()).collect()
+    v
 }
 
 #[cfg(test)]
@@ -466,6 +603,7 @@ mod tests {
                     ready: *ready,
                     running: true,
                     active: true,
+                    ..Default::default()
                 })
                 .collect(),
             metrics: Some(Ok(FleetMetrics {
@@ -492,6 +630,7 @@ mod tests {
             admin_port: 9090,
             floor: FLOOR,
             shard_capacity: 500,
+            spread: false,
             tcp_mem_pressure_bytes: 1 << 40,
             prev_autoscaling: None,
             prev_rebalance: None,
@@ -576,6 +715,190 @@ mod tests {
         );
     }
 
+    /// `seen` with each pod on a node: `(name, node, connections)`, all
+    /// ready.
+    fn seen_on(pods: &[(&str, &str, i64)]) -> Observation {
+        let mut obs = seen(
+            &pods
+                .iter()
+                .map(|(n, _, c)| (*n, true, *c))
+                .collect::<Vec<_>>(),
+        );
+        for (p, (_, node, _)) in obs.pods.iter_mut().zip(pods) {
+            p.node = Some(node.to_string());
+        }
+        obs
+    }
+
+    /// Issue 21, item 6: the least loaded shards all share node A. Six
+    /// shards on three nodes scale in to 3 (a `Node` plan).
+    #[test]
+    fn scale_in_keeps_the_spread_over_nodes_when_the_least_loaded_share_one() {
+        let a = autoscaling();
+        let obs = seen_on(&[
+            ("a1", "A", 0),
+            ("a2", "A", 5),
+            ("b1", "B", 240),
+            ("b2", "B", 260),
+            ("c1", "C", 230),
+            ("c2", "C", 265),
+        ]);
+        let wall = t(1);
+        let spread = DecideInput {
+            spread: true,
+            ..input(Some(&a), None, 6, &obs, &wall)
+        };
+        let d = decide(&spread, &mut Memory::default());
+        assert_eq!(d.outcome.replicas, 3, "1,000 live at 400 per shard");
+        // a1, then a2 would leave A empty beside two on B and C: the next
+        // least loaded of B and C instead, then A's last would empty it.
+        assert_eq!(d.victims, vec!["a1", "c1", "b1"]);
+        // Without the plan's spread, load alone: A is emptied.
+        let load_only = decide(
+            &input(Some(&a), None, 6, &obs, &wall),
+            &mut Memory::default(),
+        );
+        assert_eq!(load_only.victims, vec!["a1", "a2", "c1"]);
+    }
+
+    #[test]
+    fn a_pod_not_yet_on_a_node_leaves_the_spread_as_it_is() {
+        let mut obs = seen_on(&[("a1", "A", 0), ("b1", "B", 10), ("b2", "B", 20)]);
+        obs.pods.push(ShardPod {
+            name: "pending".into(),
+            active: true,
+            ..Default::default()
+        });
+        let loads = match &obs.metrics {
+            Some(Ok(m)) => m.shards.clone(),
+            _ => unreachable!(),
+        };
+        assert_eq!(
+            victims(&obs.pods, &loads, 2, true),
+            vec!["pending", "b1"],
+            "A's only shard stays while B has two"
+        );
+    }
+
+    proptest! {
+        /// Issue 21, item 6: victims never widen the spread over nodes
+        /// beyond one shard (or beyond what it was), and there are always
+        /// as many as asked for, up to the active pods.
+        #[test]
+        fn victims_keep_the_spread_and_are_as_many_as_asked(
+            pods in proptest::collection::vec((0u8..4, 0i64..1000, any::<bool>()), 1..12),
+            n in 0usize..12,
+        ) {
+            let shard_pods: Vec<ShardPod> = pods
+                .iter()
+                .enumerate()
+                .map(|(k, (node, _, ready))| ShardPod {
+                    name: format!("p{k}"),
+                    ready: *ready,
+                    running: true,
+                    active: true,
+                    node: Some(format!("n{node}")),
+                    ..Default::default()
+                })
+                .collect();
+            let loads: Vec<ShardLoad> = pods
+                .iter()
+                .enumerate()
+                .map(|(k, (_, c, _))| ShardLoad { pod: format!("p{k}"), connections: *c })
+                .collect();
+            let skew = |names: &[String]| {
+                let mut per: BTreeMap<&str, i64> = BTreeMap::new();
+                for p in &shard_pods {
+                    let e = per.entry(p.node.as_deref().unwrap()).or_default();
+                    if !names.contains(&p.name) {
+                        *e += 1;
+                    }
+                }
+                per.values().max().unwrap() - per.values().min().unwrap()
+            };
+            let v = victims(&shard_pods, &loads, n, true);
+            prop_assert_eq!(v.len(), n.min(shard_pods.len()));
+            prop_assert!(skew(&v) <= skew(&[]).max(1), "{v:?}");
+        }
+    }
+
+    /// Issue 21, item 7: a mark whose scale-in never happened (the apply
+    /// failed after the marks, or the scale-in was called off) is lifted
+    /// once no scale-in is wanted; none is lifted while the ReplicaSet has
+    /// yet to act.
+    #[test]
+    fn a_mark_that_outlived_its_scale_in_is_lifted() {
+        let a = autoscaling();
+        let wall = t(1);
+        let mut obs = seen(&[("a", true, 390), ("b", true, 380), ("c", true, 250)]);
+        obs.pods[0].marked = true;
+        let d = decide(
+            &input(Some(&a), None, 3, &obs, &wall),
+            &mut Memory::default(),
+        );
+        assert_eq!(d.outcome.replicas, 3, "1,020 live: no scale-in");
+        assert_eq!(d.unmark, vec!["a"]);
+        // A fourth pod the ReplicaSet has yet to remove: nothing is judged.
+        obs.pods.push(ShardPod {
+            name: "d".into(),
+            active: true,
+            marked: true,
+            ..Default::default()
+        });
+        let d = decide(
+            &input(Some(&a), None, 3, &obs, &wall),
+            &mut Memory::default(),
+        );
+        assert!(d.unmark.is_empty(), "{:?}", d.unmark);
+        // A new scale-in keeps its own victims marked.
+        let mut idle = seen(&[("a", true, 20), ("b", true, 300), ("c", true, 10)]);
+        idle.pods[2].marked = true;
+        let d = decide(
+            &input(Some(&a), None, 3, &idle, &wall),
+            &mut Memory::default(),
+        );
+        assert_eq!(d.victims, vec!["c"]);
+        assert!(d.unmark.is_empty(), "{:?}", d.unmark);
+    }
+
+    /// Issue 21, item 7: the ReplicaSet removed a shard that was not
+    /// marked (it was not ready: readiness ranks before pod-deletion-cost);
+    /// the next sync says so, and lifts the mark of the shard it kept.
+    #[test]
+    fn a_scale_in_that_removed_an_unmarked_shard_is_reported() {
+        let a = autoscaling();
+        let wall = t(1);
+        let mut memory = Memory::default();
+        let obs = seen(&[("a", true, 200), ("b", false, 180), ("c", true, 10)]);
+        let d = decide(&input(Some(&a), None, 3, &obs, &wall), &mut memory);
+        assert_eq!(d.victims, vec!["c"]);
+        assert_eq!(
+            memory.scale_in,
+            Some(ScaleIn {
+                victims: vec!["c".into()],
+                pods: vec!["a".into(), "b".into(), "c".into()],
+            })
+        );
+        // The ReplicaSet removed b; c is still there, marked.
+        let mut after = seen(&[("a", true, 290), ("c", true, 100)]);
+        after.pods[1].marked = true;
+        let d = decide(&input(Some(&a), None, 2, &after, &wall), &mut memory);
+        assert_eq!(reasons(&d), vec![Reason::ScaleInUnmarkedRemoved]);
+        let note = &d.outcome.events[0].note;
+        assert!(
+            note.starts_with("the ReplicaSet removed b instead of the shards marked to go (c)"),
+            "{note}"
+        );
+        assert_eq!(d.unmark, vec!["c"]);
+        assert_eq!(memory.scale_in, None);
+        // Removed as marked: nothing to say.
+        let mut memory = Memory::default();
+        decide(&input(Some(&a), None, 3, &obs, &wall), &mut memory);
+        let as_marked = seen(&[("a", true, 200), ("b", false, 190)]);
+        let d = decide(&input(Some(&a), None, 2, &as_marked, &wall), &mut memory);
+        assert!(reasons(&d).is_empty(), "{:?}", d.outcome.events);
+    }
+
     #[test]
     fn scale_in_picks_the_least_loaded_shards() {
         let pods: Vec<ShardPod> = ["a", "b", "c", "d"]
@@ -586,6 +909,7 @@ mod tests {
                 ready: *n != "d",
                 running: *n != "d",
                 active: true,
+                ..Default::default()
             })
             .collect();
         let loads = vec![
@@ -603,7 +927,7 @@ mod tests {
             },
         ];
         assert_eq!(
-            least_loaded(&pods, &loads, 2),
+            victims(&pods, &loads, 2, false),
             vec!["d", "b"],
             "a not-ready shard holding nothing goes first, then the emptiest"
         );
@@ -618,6 +942,7 @@ mod tests {
             ready,
             running,
             active,
+            ..Default::default()
         };
         let load = |pod: &str, connections| ShardLoad {
             pod: pod.into(),
@@ -638,11 +963,14 @@ mod tests {
             load("idle", 0),
         ];
         assert_eq!(
-            least_loaded(&pods, &loads, 6),
+            victims(&pods, &loads, 6, false),
             vec!["idle", "pending", "b", "a", "full"],
             "by load; unready first only at the same load; a terminating pod never"
         );
-        assert_eq!(least_loaded(&pods, &loads, 3), vec!["idle", "pending", "b"]);
+        assert_eq!(
+            victims(&pods, &loads, 3, false),
+            vec!["idle", "pending", "b"]
+        );
     }
 
     /// Issue 10, fault 2, end to end in decide: all three shards hold
@@ -1124,6 +1452,7 @@ mod tests {
                 ready: *state == 0,
                 running: *state <= 1,
                 active: *state <= 2,
+                ..Default::default()
             })
             .collect();
         // As the reader reports them: every running pod, ready or not.
@@ -1205,6 +1534,7 @@ mod tests {
                 admin_port: 9090,
                 floor: run.floor,
                 shard_capacity: run.shard_capacity,
+                spread: false,
                 tcp_mem_pressure_bytes: 1 << 30,
                 prev_autoscaling: None,
                 prev_rebalance: None,

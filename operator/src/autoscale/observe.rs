@@ -14,10 +14,10 @@ use kube::api::ListParams;
 use super::drift::{self, ShardKernel};
 use super::prometheus::{Expected, FleetMetrics, MetricsError, Reader};
 use crate::api::{ConnectionFleet, Plan};
-use crate::names::FLEET_LABEL;
+use crate::names::{CORDONED_ANNOTATION, FLEET_LABEL, POD_DELETION_COST};
 
 /// A shard pod as the metrics loop sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ShardPod {
     /// Pod name.
     pub name: String,
@@ -31,6 +31,12 @@ pub struct ShardPod {
     /// Counted by its ReplicaSet: not terminating, and neither `Succeeded`
     /// nor `Failed`. Only these can be scale-in victims.
     pub active: bool,
+    /// The node it is bound to (`spec.nodeName`), once scheduled.
+    pub node: Option<String>,
+    /// It carries a scale-in mark: a pod-deletion-cost
+    /// ([`POD_DELETION_COST`]) without a rollout's cordon record
+    /// ([`CORDONED_ANNOTATION`], whose cost orders a rollout's old shards).
+    pub marked: bool,
 }
 
 /// What one sync saw of a fleet.
@@ -204,7 +210,8 @@ pub fn pod_ready(pod: &Pod) -> bool {
 impl From<Pod> for ShardPod {
     /// Ready: the pod's `Ready` condition is True; running: its phase is
     /// `Running`; active: its phase is neither `Succeeded` nor `Failed`;
-    /// none of them while it is being deleted.
+    /// none of them while it is being deleted. Node and mark as the pod
+    /// has them.
     fn from(p: Pod) -> Self {
         let alive = p.metadata.deletion_timestamp.is_none();
         let status = p.status.as_ref();
@@ -214,7 +221,16 @@ impl From<Pod> for ShardPod {
             alive && phase == "Running",
             alive && phase != "Succeeded" && phase != "Failed",
         );
+        let annotated = |key: &str| {
+            p.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(key))
+        };
+        let marked = annotated(POD_DELETION_COST) && !annotated(CORDONED_ANNOTATION);
         ShardPod {
+            node: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+            marked,
             name: p.metadata.name.unwrap_or_default(),
             ip: p.status.and_then(|s| s.pod_ip),
             ready: alive && ready,
@@ -288,6 +304,8 @@ mod tests {
                 ready: true,
                 running: true,
                 active: true,
+                node: None,
+                marked: false,
             }
         );
         assert!(!ShardPod::from(pod("Running", "False", false)).ready);
@@ -296,6 +314,26 @@ mod tests {
             "a terminating pod is no longer a shard to count on"
         );
         assert!(!ShardPod::from(Pod::default()).ready, "no status yet");
+    }
+
+    /// Issue 21, item 7: only a scale-in's pod-deletion-cost is a mark; a
+    /// rollout's (on a cordoned shard) is the rollout's own.
+    #[test]
+    fn a_scale_in_mark_is_a_deletion_cost_without_a_cordon_record() {
+        let with = |annotations: serde_json::Value| {
+            let mut p = serde_json::to_value(pod("Running", "True", false)).unwrap();
+            p["metadata"]["annotations"] = annotations;
+            p["spec"] = serde_json::json!({"nodeName": "n1", "containers": []});
+            ShardPod::from(serde_json::from_value::<Pod>(p).unwrap())
+        };
+        let marked = with(serde_json::json!({POD_DELETION_COST: "-1000"}));
+        assert!(marked.marked);
+        assert_eq!(marked.node.as_deref(), Some("n1"));
+        let cordoned =
+            with(serde_json::json!({POD_DELETION_COST: "-380", CORDONED_ANNOTATION: "380"}));
+        assert!(!cordoned.marked);
+        assert!(!with(serde_json::json!({})).marked);
+        assert_eq!(ShardPod::from(Pod::default()).node, None, "not scheduled");
     }
 
     #[test]

@@ -112,6 +112,7 @@ fn pods(unready: &[&str]) -> Vec<ShardPod> {
             ready: !unready.contains(name),
             running: true,
             active: true,
+            ..Default::default()
         })
         .collect()
 }
@@ -151,6 +152,7 @@ async fn sync(answers: Answers, pods: Vec<ShardPod>) -> (Observation, Decision) 
         admin_port: 9090,
         floor: 1,
         shard_capacity: 500_000,
+        spread: false,
         tcp_mem_pressure_bytes: 1 << 40,
         prev_autoscaling: None,
         prev_rebalance: None,
