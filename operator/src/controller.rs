@@ -10,19 +10,22 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::Resource;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{self, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::utils::{PredicateConfig, WatchStreamExt};
 use kube::runtime::watcher::{self, watcher};
-use tracing::info;
+use tracing::{info, warn};
 
-use crate::api::ConnectionFleet;
+use crate::api::{CRD_SCHEMA_REVISION, ConnectionFleet};
 use crate::autoscale;
-use crate::names::{FIELD_MANAGER, MANAGED_BY_SELECTOR};
+use crate::names::{FIELD_MANAGER, MANAGED_BY_SELECTOR, SCHEMA_REVISION_ANNOTATION};
 use crate::policy::Policy;
+use crate::reason::{EventAction, Reason};
 use crate::reconcile::cache::Cache;
 use crate::reconcile::{Context, error_policy, reconcile};
 
@@ -103,7 +106,8 @@ pub struct RunConfig {
     /// This replica's name in events (the pod name).
     pub instance: Option<String>,
     /// Server-side apply the ConnectionFleet CRD at start-up, so upgrading
-    /// the operator upgrades its schema (Helm never upgrades `crds/`).
+    /// the operator upgrades its schema (Helm never upgrades `crds/`);
+    /// never over a CRD of a higher schema revision ([`apply_crd`]).
     pub manage_crd: bool,
     /// Prometheus the metrics loop reads (`None`: autoscaling and rebalancing hold).
     pub prometheus_url: Option<String>,
@@ -111,20 +115,205 @@ pub struct RunConfig {
     pub policy: Policy,
 }
 
-/// Server-side applies the ConnectionFleet CRD (field manager
-/// [`FIELD_MANAGER`]) and waits up to 60 s until it is Established.
-pub async fn apply_crd(client: &Client) -> anyhow::Result<()> {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    use kube::CustomResourceExt;
+/// What [`apply_crd`] does with the ConnectionFleet CRD it finds installed
+/// ([`decide_crd`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CrdDecision {
+    /// Apply ours: nothing is installed, or what is installed carries no
+    /// revision, or one no higher than ours.
+    Apply,
+    /// Keep the installed CRD: it carries a higher schema revision than
+    /// ours (a newer operator installed it), and applying ours would
+    /// narrow its schema and prune the fields it added.
+    KeepNewer {
+        /// The installed CRD's revision.
+        installed: u32,
+    },
+    /// Keep the installed CRD: its revision annotation is not a decimal
+    /// integer this build can read, so it cannot tell whether ours is
+    /// older; it never narrows what it cannot judge.
+    KeepUnreadable {
+        /// The annotation's value, as found.
+        value: String,
+    },
+}
+
+/// Decides whether to apply our CRD, of schema revision `ours`
+/// ([`crate::api::CRD_SCHEMA_REVISION`]), over the installed one, whose
+/// [`SCHEMA_REVISION_ANNOTATION`] is `installed` (`None`: no CRD is
+/// installed, or it has no such annotation):
+///
+/// | installed annotation | decision | why |
+/// |---|---|---|
+/// | absent (or no CRD) | [`CrdDecision::Apply`] | a CRD from before schema revisions (or none): older than any revision |
+/// | lower than `ours` | [`CrdDecision::Apply`] | the upgrade `--manage-crd` is for |
+/// | equal to `ours` | [`CrdDecision::Apply`] | the same schema (a test pins one digest per revision): idempotent, and it puts back a hand edit and this operator's field ownership, as every start did before revisions |
+/// | higher than `ours` | [`CrdDecision::KeepNewer`] | a newer operator's schema; ours would prune its fields |
+/// | not a decimal integer (empty, signed, spaces, `1.5`, above `u32::MAX`) | [`CrdDecision::KeepUnreadable`] | it cannot be judged, and keeping a CRD never loses data |
+///
+/// Pure; [`apply_crd`] reads the annotation and acts on the decision.
+pub fn decide_crd(installed: Option<&str>, ours: u32) -> CrdDecision {
+    let Some(value) = installed else {
+        return CrdDecision::Apply;
+    };
+    let revision = (!value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| value.parse::<u32>().ok())
+        .flatten();
+    match revision {
+        None => CrdDecision::KeepUnreadable {
+            value: value.to_string(),
+        },
+        Some(installed) if installed > ours => CrdDecision::KeepNewer { installed },
+        Some(_) => CrdDecision::Apply,
+    }
+}
+
+/// Installs this build's ConnectionFleet CRD ([`crate::api::crd`]), unless
+/// the installed one carries a higher schema revision or one it cannot read
+/// ([`decide_crd`]), and waits up to 60 s until the CRD is Established.
+///
+/// It reads the installed CRD (404: none), decides, and server-side applies
+/// with field manager [`FIELD_MANAGER`] (forced) and the installed
+/// `resourceVersion` as a precondition, so a CRD changed between the read
+/// and the apply (another replica, a newer operator) is read and judged
+/// again (up to 5 times) rather than overwritten. When it keeps the
+/// installed CRD it logs a warning naming both revisions and publishes a
+/// Warning event on the CRD (reason `NewerCRDInstalled` or
+/// `CRDRevisionUnreadable`, in namespace `default`, where Kubernetes files
+/// events of cluster-scoped objects; reporting instance `instance`), then
+/// returns `Ok`: the operator runs on with the installed schema. It
+/// ignores the fields it does not know, and fleets keep them; were a
+/// newer schema to refuse a status it writes, that write fails and the
+/// fleet's reconcile reports it.
+///
+/// # Errors
+///
+/// The CRD cannot be read or applied (RBAC, API down; the message names
+/// `--manage-crd=false`), it changed under every attempt, or it is not
+/// Established within 60 s. A failed event is only logged.
+pub async fn apply_crd(client: &Client, instance: Option<String>) -> anyhow::Result<()> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = ConnectionFleet::crd();
-    let name = crd.metadata.name.clone().unwrap_or_default();
-    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&crd))
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot apply CRD {name} (start with --manage-crd=false where CRDs are managed elsewhere): {e}"))?;
+    let mut ours = crate::api::crd();
+    let name = ours.metadata.name.clone().unwrap_or_default();
+    const ATTEMPTS: u32 = 5;
+    let mut attempt = 1;
+    let (installed_revision, kept) = loop {
+        let installed = api.get_opt(&name).await.map_err(|e| {
+            anyhow::anyhow!("cannot read CRD {name} (start with --manage-crd=false where CRDs are managed elsewhere): {e}")
+        })?;
+        let annotation = installed.as_ref().and_then(|c| {
+            c.metadata
+                .annotations
+                .as_ref()?
+                .get(SCHEMA_REVISION_ANNOTATION)
+                .cloned()
+        });
+        let decision = decide_crd(annotation.as_deref(), CRD_SCHEMA_REVISION);
+        if decision != CrdDecision::Apply {
+            // Only a CRD that exists is kept.
+            let installed = installed.expect("a kept CRD is installed");
+            break (annotation, Some((decision, installed)));
+        }
+        ours.metadata.resource_version = installed.and_then(|c| c.metadata.resource_version);
+        match api
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&ours),
+            )
+            .await
+        {
+            Ok(_) => break (annotation, None),
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < ATTEMPTS => {
+                info!(crd = %name, attempt, "CRD changed since it was read; reading it again");
+                attempt += 1;
+            }
+            Err(e) => anyhow::bail!(
+                "cannot apply CRD {name} (start with --manage-crd=false where CRDs are managed elsewhere): {e}"
+            ),
+        }
+    };
+    if let Some((decision, installed)) = &kept {
+        keep_crd(client, instance, decision, installed).await;
+    }
+    wait_established(&api, &name).await?;
+    match kept {
+        None => info!(
+            crd = %name,
+            revision = CRD_SCHEMA_REVISION,
+            replaced = installed_revision.as_deref().unwrap_or("none"),
+            "CRD applied and established"
+        ),
+        Some(_) => info!(crd = %name, "CRD kept as installed and established"),
+    }
+    Ok(())
+}
+
+/// Says why the installed CRD is kept ([`decide_crd`]): a warning log line
+/// naming both revisions, and a Warning event on the CRD.
+async fn keep_crd(
+    client: &Client,
+    instance: Option<String>,
+    decision: &CrdDecision,
+    installed: &CustomResourceDefinition,
+) {
+    let name = installed.metadata.name.clone().unwrap_or_default();
+    let ours = CRD_SCHEMA_REVISION;
+    let (reason, note) = match decision {
+        CrdDecision::KeepNewer { installed } => {
+            warn!(
+                crd = %name,
+                installed_revision = installed,
+                operator_revision = ours,
+                "CRD {name} carries schema revision {installed}, newer than this operator's {ours}: not applying the older CRD; running with the installed schema"
+            );
+            (
+                Reason::NewerCrdInstalled,
+                format!(
+                    "{SCHEMA_REVISION_ANNOTATION} is {installed}, newer than this operator's revision {ours}: the operator kept the installed CRD (applying its own would prune the newer fields) and runs with it. Upgrade the operator to a version of revision {installed} or later."
+                ),
+            )
+        }
+        CrdDecision::KeepUnreadable { value } => {
+            warn!(
+                crd = %name,
+                installed_revision = %value,
+                operator_revision = ours,
+                "CRD {name} carries schema revision {value:?}, which is not a revision this operator (revision {ours}) can read: not applying its CRD; running with the installed schema"
+            );
+            (
+                Reason::CrdRevisionUnreadable,
+                format!(
+                    "{SCHEMA_REVISION_ANNOTATION} is {value:?}, not a decimal revision: the operator (revision {ours}) cannot tell whether its CRD is older, so it kept the installed one and runs with it. Apply the CRD of the operator you run (crds/connectionfleet.yaml) to resolve."
+                ),
+            )
+        }
+        CrdDecision::Apply => return,
+    };
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance,
+        },
+    );
+    let event = Event {
+        type_: EventType::Warning,
+        reason: reason.as_str().into(),
+        note: Some(note),
+        action: EventAction::ApplyCrd.as_str().into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, &installed.object_ref(&())).await {
+        warn!(crd = %name, reason = %reason, error = %e, "cannot publish the CRD's event");
+    }
+}
+
+/// Waits up to 60 s (polling every 500 ms) until CRD `name` is Established.
+async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> anyhow::Result<()> {
     for _ in 0..120 {
         let got = api
-            .get(&name)
+            .get(name)
             .await
             .map_err(|e| anyhow::anyhow!("cannot read CRD {name}: {e}"))?;
         let established = got.status.and_then(|s| s.conditions).is_some_and(|cs| {
@@ -132,7 +321,6 @@ pub async fn apply_crd(client: &Client) -> anyhow::Result<()> {
                 .any(|c| c.type_ == "Established" && c.status == "True")
         });
         if established {
-            info!(crd = %name, "CRD applied and established");
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -206,7 +394,7 @@ pub async fn run_controller(
     metrics: Arc<crate::telemetry::Metrics>,
 ) -> anyhow::Result<()> {
     if config.manage_crd {
-        apply_crd(&client).await?;
+        apply_crd(&client, config.instance.clone()).await?;
     }
     let namespace = config.namespace;
     let instance = config.instance;
@@ -316,4 +504,76 @@ pub async fn run_controller(
         .await;
     info!("c10m-operator controller stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn each_installed_revision_is_decided() {
+        // No CRD, or one from before schema revisions: older, applied.
+        assert_eq!(decide_crd(None, 3), CrdDecision::Apply);
+        // Lower (the upgrade) and equal (idempotent): applied.
+        assert_eq!(decide_crd(Some("2"), 3), CrdDecision::Apply);
+        assert_eq!(decide_crd(Some("0"), 3), CrdDecision::Apply);
+        assert_eq!(decide_crd(Some("3"), 3), CrdDecision::Apply);
+        assert_eq!(decide_crd(Some("003"), 3), CrdDecision::Apply);
+        // Higher: a newer operator's CRD, kept.
+        assert_eq!(
+            decide_crd(Some("4"), 3),
+            CrdDecision::KeepNewer { installed: 4 }
+        );
+        assert_eq!(
+            decide_crd(Some("4294967295"), 3),
+            CrdDecision::KeepNewer {
+                installed: u32::MAX
+            }
+        );
+        // Unreadable: kept, never narrowed.
+        for value in [
+            "",
+            " 3",
+            "3 ",
+            "+3",
+            "-1",
+            "1.5",
+            "three",
+            "0x4",
+            "4294967296",
+        ] {
+            assert_eq!(
+                decide_crd(Some(value), 3),
+                CrdDecision::KeepUnreadable {
+                    value: value.into()
+                },
+                "{value:?}"
+            );
+        }
+    }
+
+    proptest! {
+        /// A numeric revision is applied exactly when it is no higher than ours.
+        #[test]
+        fn applies_only_what_is_no_newer(installed: u32, ours: u32) {
+            let decision = decide_crd(Some(&installed.to_string()), ours);
+            if installed <= ours {
+                prop_assert_eq!(decision, CrdDecision::Apply);
+            } else {
+                prop_assert_eq!(decision, CrdDecision::KeepNewer { installed });
+            }
+        }
+
+        /// Whatever the annotation holds, the CRD is applied only when it
+        /// reads as a revision no higher than ours.
+        #[test]
+        fn never_applies_over_what_it_cannot_read(value in "[0-9]{0,11}|\\PC{0,12}", ours: u32) {
+            let applied = decide_crd(Some(&value), ours) == CrdDecision::Apply;
+            let readable_and_no_newer = !value.is_empty()
+                && value.bytes().all(|b| b.is_ascii_digit())
+                && value.parse::<u32>().is_ok_and(|r| r <= ours);
+            prop_assert_eq!(applied, readable_and_no_newer, "{:?}", value);
+        }
+    }
 }

@@ -35,7 +35,7 @@ enum Command {
         /// Log format.
         #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "C10M_LOG_FORMAT")]
         log_format: LogFormat,
-        /// Server-side apply the ConnectionFleet CRD at start-up (false where CRDs are managed elsewhere, e.g. GitOps).
+        /// Server-side apply the ConnectionFleet CRD at start-up, unless the installed one has a higher schema revision (false where CRDs are managed elsewhere, e.g. GitOps).
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "C10M_MANAGE_CRD")]
         manage_crd: bool,
         /// Prometheus base URL (http://host:port) for live connections, autoscaling and rebalancing.

@@ -40,6 +40,12 @@ pub const REVISION_ANNOTATION: &str = "deployment.kubernetes.io/revision";
 /// `unknown` when it did not say).
 pub const CORDONED_ANNOTATION: &str = "c10m.dev/cordoned";
 
+/// Annotation on the ConnectionFleet CRD: the schema revision it carries
+/// ([`crate::api::CRD_SCHEMA_REVISION`] of the operator that generated it),
+/// a decimal integer. An operator never applies its CRD over one carrying a
+/// higher revision ([`crate::controller::apply_crd`]).
+pub const SCHEMA_REVISION_ANNOTATION: &str = "c10m.dev/schema-revision";
+
 /// Field manager of the one Deployment field a rollout owns,
 /// `spec.minReadySeconds`: the gate between its steps
 /// ([`crate::rollout::Rollout::pace`]). The rendered objects never set it.

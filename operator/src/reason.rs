@@ -135,11 +135,18 @@ pub enum Reason {
     /// No running shard reported a setting its plan sets: nothing was
     /// judged (KernelDrift=Unknown).
     KernelNotReported,
+    // --- the CRD (events on the CustomResourceDefinition) ---
+    /// The installed CRD carries a higher schema revision than the
+    /// operator's: kept, not narrowed (event).
+    NewerCrdInstalled,
+    /// The installed CRD's schema revision annotation cannot be read: kept
+    /// (event).
+    CrdRevisionUnreadable,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 42] = [
+    pub const ALL: [Reason; 44] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -182,6 +189,8 @@ impl Reason {
         Reason::ScaleInUnmarkedRemoved,
         Reason::BelowPlan,
         Reason::KernelNotReported,
+        Reason::NewerCrdInstalled,
+        Reason::CrdRevisionUnreadable,
     ];
 
     /// The reason spelled `s`, if it is one of the operator's.
@@ -234,6 +243,8 @@ impl Reason {
             Reason::ScaleInUnmarkedRemoved => "ScaleInUnmarkedRemoved",
             Reason::BelowPlan => "BelowPlan",
             Reason::KernelNotReported => "KernelNotReported",
+            Reason::NewerCrdInstalled => "NewerCRDInstalled",
+            Reason::CrdRevisionUnreadable => "CRDRevisionUnreadable",
         }
     }
 }
@@ -257,6 +268,8 @@ pub enum EventAction {
     ReadMetrics,
     /// Scaling or rebalancing.
     Autoscale,
+    /// Installing the CRD at start-up (`--manage-crd`).
+    ApplyCrd,
 }
 
 impl EventAction {
@@ -268,6 +281,7 @@ impl EventAction {
             EventAction::Rollout => "Rollout",
             EventAction::ReadMetrics => "ReadMetrics",
             EventAction::Autoscale => "Autoscale",
+            EventAction::ApplyCrd => "ApplyCRD",
         }
     }
 }
