@@ -103,6 +103,7 @@ pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
     )
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("!has(self.server) || !has(self.server.subprotocols) || size(self.server.subprotocols) == 0 || (has(self.backend) && has(self.backend.protocol) && self.backend.protocol == 'websocket')").message("server.subprotocols needs backend.protocol: websocket").field_path(".server.subprotocols"))]
 pub struct ConnectionFleetSpec {
     /// Concurrent connections the fleet must hold (1 to 10^10).
     #[schemars(range(min = 1, max = 10_000_000_000i64))]
@@ -816,6 +817,23 @@ pub struct ServerSpec {
     /// Service type exposing the fleet: ClusterIP, NodePort or LoadBalancer.
     #[serde(default)]
     pub service_type: ServiceType,
+
+    /// WebSocket subprotocols the bundled server accepts (RFC 6455 §1.9):
+    /// the upgrade's answer names the first one the client offers, in the
+    /// client's order, that is on this list (`Sec-WebSocket-Protocol`), and
+    /// a client offering none of them is answered without one. Clients
+    /// that offer one and require an answer (Node's `ws`, browsers) need
+    /// it listed. Each an HTTP token (letters, digits and
+    /// ``!#$%&'*+-.^_`|~``), at most 64 characters, none twice, at most
+    /// 16; only with `backend.protocol: websocket`. Rendered as
+    /// `C10M_SUBPROTOCOLS`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 16),
+        inner(length(min = 1, max = 64), regex(pattern = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")),
+        extend("x-kubernetes-list-type" = "set")
+    )]
+    pub subprotocols: Vec<String>,
 }
 
 fn default_image() -> String {
@@ -835,6 +853,7 @@ impl Default for ServerSpec {
             port: default_port(),
             metrics_port: default_metrics_port(),
             service_type: ServiceType::default(),
+            subprotocols: Vec::new(),
         }
     }
 }
@@ -885,7 +904,7 @@ pub struct Placement {
 /// cannot narrow the schema. A unit test pins it together with a SHA-256 of
 /// the CRD's `spec`: change the schema without raising this and that test
 /// fails, naming the new revision and digest to pin.
-pub const CRD_SCHEMA_REVISION: u32 = 1;
+pub const CRD_SCHEMA_REVISION: u32 = 2;
 
 /// The ConnectionFleet CRD as the operator installs it and `make crd`
 /// writes it: the types' CRD (`ConnectionFleet::crd()`) with annotation
@@ -932,8 +951,8 @@ mod tests {
     /// The schema revision and the SHA-256 (hex) of the CRD's canonical
     /// `spec` JSON ([`spec_digest`]) at that revision.
     const PINNED_SCHEMA: (u32, &str) = (
-        1,
-        "933866549968a1d7f8b3675e003a419c9e57032e30a97bb1faad3539e6fa6143",
+        2,
+        "e4b62195b3f5226764be7e4c55b5db5ff5a79133fbafef9f7e4bd931e62ac6bd",
     );
 
     /// `v` as JSON with every object's keys sorted and no whitespace: the

@@ -200,6 +200,9 @@ pub fn render(
     if starts_as_root(spec) {
         env_vars.push(env(wire_env::RUN_AS, format!("{SERVER_UID}:{SERVER_GID}")));
     }
+    if !server.subprotocols.is_empty() {
+        env_vars.push(env(wire_env::SUBPROTOCOLS, server.subprotocols.join(",")));
+    }
     if spec.backend.model == BackendModel::Goroutine {
         env_vars.push(env("GOMAXPROCS", plan.cpus));
         env_vars.push(env(
@@ -583,7 +586,7 @@ mod tests {
     };
 
     /// Every `C10M_*` name of the contract, from `c10m_wire::env`.
-    const WIRE_ENV: [&str; 25] = [
+    const WIRE_ENV: [&str; 27] = [
         wire_env::BIND,
         wire_env::PORT,
         wire_env::METRICS_PORT,
@@ -609,6 +612,8 @@ mod tests {
         wire_env::WS_PING_SECS,
         wire_env::WS_PONG_TIMEOUT_SECS,
         wire_env::RUN_AS,
+        wire_env::CLOSE_TIMEOUT_SECS,
+        wire_env::SUBPROTOCOLS,
     ];
 
     struct Case {
@@ -1454,6 +1459,30 @@ mod tests {
             })
             .collect();
         c10m_server::Config::from_env_pairs(pairs).expect("the server accepts its rendered env")
+    }
+
+    /// Issue 21, item 15: `spec.server.subprotocols` reaches the bundled
+    /// server as the list it accepts, in order; none listed renders nothing.
+    #[test]
+    fn subprotocols_reach_the_server_as_listed() {
+        let c = case(json!({
+            "connections": 2_000_000,
+            "backend": {"protocol": "websocket"},
+            "server": {"subprotocols": ["mqtt", "v2.chat.example"]},
+        }));
+        let root =
+            std::env::temp_dir().join(format!("c10m-render-subprotocols-{}", std::process::id()));
+        let cfg = server_config(&c, &root);
+        let names: Vec<&str> = cfg.subprotocols.names().iter().map(|n| &**n).collect();
+        assert_eq!(names, ["mqtt", "v2.chat.example"]);
+        let none = case(json!({"connections": 2_000_000, "backend": {"protocol": "websocket"}}));
+        assert!(
+            !server(&none.out)
+                .env
+                .iter()
+                .flatten()
+                .any(|e| e.name == wire_env::SUBPROTOCOLS)
+        );
     }
 
     #[test]

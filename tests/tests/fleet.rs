@@ -503,6 +503,21 @@ fn invalid_manifests_are_refused_naming_the_field() {
             "spec:\n  connections: 10\n  node:\n    memory: 500m\n",
             "spec.node.memory",
         ),
+        (
+            "subprotocol not a token",
+            "spec:\n  connections: 10\n  backend:\n    protocol: websocket\n  server:\n    subprotocols: [\"a b\"]\n",
+            "spec.server.subprotocols[0]",
+        ),
+        (
+            "subprotocol twice",
+            "spec:\n  connections: 10\n  backend:\n    protocol: websocket\n  server:\n    subprotocols: [mqtt, mqtt]\n",
+            "spec.server.subprotocols[1]",
+        ),
+        (
+            "subprotocols on an echo fleet",
+            "spec:\n  connections: 10\n  server:\n    subprotocols: [mqtt]\n",
+            "spec.server.subprotocols",
+        ),
         ("missing spec", "", "spec"),
         (
             "name not a DNS-1035 label",
