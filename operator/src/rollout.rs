@@ -61,9 +61,15 @@ pub const STEP_MARGIN_MS: i64 = 500;
 pub const CORDON_SETTLE_SECONDS: i64 = crate::render::READINESS_SECONDS + 1;
 
 /// Seconds a step's shards need to close `held` connections at `rate`
-/// connections/s each, with [`STEP_MARGIN_MS`], rounded up.
+/// connections/s each, with [`STEP_MARGIN_MS`], rounded up; 0 when they
+/// hold none (their step closes nothing; only a client that raced a cordon
+/// could be on such a shard, and no step starts before the cordons have
+/// settled, [`CORDON_SETTLE_SECONDS`]).
 pub fn step_seconds(held: i64, rate: i64) -> i64 {
-    div_ceil(held.max(0) * 1000 / rate.max(1) + STEP_MARGIN_MS, 1000)
+    if held <= 0 {
+        return 0;
+    }
+    div_ceil(held * 1000 / rate.max(1) + STEP_MARGIN_MS, 1000)
 }
 
 /// One of the fleet's shards as a rollout sees it.
@@ -238,7 +244,10 @@ impl Rollout {
     /// replicas that have no pods (nothing to drain: 0). A shard without an
     /// IP holds no clients and needs no cordon. No step starts before
     /// [`CORDON_SETTLE_SECONDS`] after the last cordon (`lastCordonTime`).
-    /// The gate is always within
+    /// When no old shard holds a client (each vacant, unplaced, or cordoned
+    /// holding none), nothing drains and the cordons have settled, the gate
+    /// is 0: steps close nothing, and the Deployment rolls as fast as its
+    /// updated shards become Ready. The gate is always within
     /// `0..=` the cap's step.
     pub fn pace(
         mut self,
@@ -333,6 +342,7 @@ impl Rollout {
             .iter()
             .all(|s| s.cordoned || s.held.is_some() || s.ip.is_none());
         let gate = match next {
+            Some(_) if all_cordoned && st.step_seconds == 0 && gate_at <= now => 0,
             Some(ready) if all_cordoned => seconds_until(ready, gate_at),
             Some(_) => cap,
             None => i64::from(current.unwrap_or(0)).max(seconds_until(now, gate_at)),
@@ -779,7 +789,7 @@ mod tests {
         assert_eq!(step_seconds(1049, 100), 11);
         assert_eq!(step_seconds(1050, 100), 11);
         assert_eq!(step_seconds(1051, 100), 12);
-        assert_eq!(step_seconds(0, 100), 1);
+        assert_eq!(step_seconds(0, 100), 0, "nothing to close");
         assert_eq!(step_seconds(1_000_000, 2000), 501);
     }
 
@@ -836,8 +846,60 @@ mod tests {
             &[shard_pod("n1", "new", 0, None), pending],
         );
         let (r, gate) = r.pace(None, &PACE, at(2), Some(16));
-        assert_eq!(gate, 2, "available now");
-        assert_eq!(r.status.unwrap().step_seconds, 1);
+        assert_eq!(gate, 0, "it holds nothing: no gate");
+        assert_eq!(r.status.unwrap().step_seconds, 0);
+    }
+
+    /// Old shards that hold no client (a fleet without traffic, or shards
+    /// whose server never ran) close nothing when they go: no gate holds
+    /// the rollout back, before or after a step. One that holds clients
+    /// brings the gate back.
+    #[test]
+    fn old_shards_holding_nothing_roll_without_a_gate() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let pods = [
+            shard_pod("n1", "new", 0, None),
+            shard_pod("o1", "old", -50, Some("0")),
+            shard_pod("o2", "old", -50, Some("0")),
+            shard_pod("o3", "old", -50, None),
+        ];
+        let r = observe(&deployment(3, 1, false), &sets, &pods);
+        let done = Orders {
+            vacant: vec![r.shards[3].clone()],
+            ..Orders::default()
+        };
+        let (r, gate) = r.after(&done).pace(None, &PACE, at(30), Some(16));
+        let st = r.status.unwrap();
+        assert_eq!((gate, st.step_seconds), (0, 0));
+        // o1 went: nothing drains, and the next updated shard is not Ready
+        // yet; the gate stays open.
+        let r = observe(
+            &deployment(3, 2, false),
+            &sets,
+            &[pods[0].clone(), pods[2].clone()],
+        );
+        let (r, gate) = r.pace(Some(&st), &PACE, at(31), Some(0));
+        let st2 = r.status.unwrap();
+        assert_eq!(
+            (gate, st2.draining_until.clone(), st2.draining_shards),
+            (0, None, 0)
+        );
+        // An old shard that holds clients paces its step again: the gate
+        // is back (the next updated shard, Ready at +33 s, is available at
+        // once, since nothing drains), and its step is its drain.
+        let busy = [
+            pods[0].clone(),
+            shard_pod("n2", "new", 33, None),
+            shard_pod("o2", "old", -50, Some("500")),
+        ];
+        let r = observe(&deployment(3, 2, false), &sets, &busy);
+        let (r, gate) = r.pace(Some(&st2), &PACE, at(34), Some(0));
+        assert_eq!(gate, 1, "Ready at +33 s, available at +34 s");
+        assert_eq!(
+            r.status.unwrap().step_seconds,
+            6,
+            "500 at 100/s, and half a second"
+        );
     }
 
     /// A shard whose cordon recorded no count (an older server, or an
