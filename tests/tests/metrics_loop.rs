@@ -30,6 +30,12 @@ const SHARD_CAP: i64 = 500;
 /// a lost node, so the declared connections alone set the floor (800 → 2
 /// shards, not 4).
 fn fleet(name: &str, connections: i64, extra: &str) -> String {
+    fleet_surviving(name, connections, "None", extra)
+}
+
+/// [`fleet`] planned to survive the loss of `failure_domain` (`None`,
+/// `Shard` or `Node`).
+fn fleet_surviving(name: &str, connections: i64, failure_domain: &str, extra: &str) -> String {
     format!(
         r#"apiVersion: c10m.dev/v1alpha1
 kind: ConnectionFleet
@@ -46,7 +52,7 @@ spec:
   drain:
     rate: 200
   availability:
-    failureDomain: None
+    failureDomain: {failure_domain}
 {extra}"#
     )
 }
@@ -560,28 +566,9 @@ fn e_kernel_drift_names_the_shard_running_below_its_planned_nofile() {
 #[test]
 fn f_scale_in_keeps_the_fleets_spread_over_nodes_and_lifts_stale_marks() {
     let s = Scenario::start("ml-spread", "spread");
-    let manifest = |connections: u32| {
-        format!(
-            r#"apiVersion: c10m.dev/v1alpha1
-kind: ConnectionFleet
-metadata:
-  name: spread
-spec:
-  connections: {connections}
-  backend:
-    connectionsPerCpu: {SHARD_CAP}
-    protocol: websocket
-  shard:
-    cpus: 1
-    maxShards: 8
-  drain:
-    rate: 200
-  placement:
-    nodeSelector:
-      type: kwok
-{}"#,
-            autoscaling("")
-        )
+    let manifest = |connections: i64| {
+        let kwok = "  placement:\n    nodeSelector:\n      type: kwok\n";
+        fleet_surviving("spread", connections, "Node", &(autoscaling("") + kwok))
     };
     // 1,200 connections plan 6 shards (3 per node over 2 nodes); the
     // required spread places 2 on each of the 3 KWOK nodes.
