@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod fault_proxy;
+
 /// Root of the workspace.
 pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -362,6 +364,12 @@ impl Operator {
     /// in `ns` (`--leader-elect`, the chart's default), logging to
     /// `target/e2e-logs/<log_name>.log`.
     pub fn elected(ns: &str, lease: &str, log_name: &str) -> Self {
+        Self::elected_with(ns, lease, log_name, &kubeconfig())
+    }
+
+    /// [`Operator::elected`] talking to the API server through
+    /// `kubeconfig` (e.g. one pointing at a [`fault_proxy::FaultProxy`]).
+    pub fn elected_with(ns: &str, lease: &str, log_name: &str, kubeconfig: &Path) -> Self {
         Self::spawn(
             &[
                 "run",
@@ -375,7 +383,7 @@ impl Operator {
                 "--leader-elect-namespace",
                 ns,
             ],
-            &kubeconfig(),
+            kubeconfig,
             log_name,
         )
     }

@@ -6,10 +6,21 @@
 //! etcd and kube-apiserver right after a spec change and bring them back
 //! with `tests/cluster/up.sh`: the operators converge, never panic, and
 //! stay quiet while the API is gone.
+//!
+//! Issue 21, item 10: short network blips (each operator talks to the API
+//! server through a loopback [`FaultProxy`]) that each cost the leader one
+//! renewal, several in one term, neither depose the leader nor, on the
+//! follower's side, delay its takeover of a dead leader's Lease past the
+//! lease duration plus a moment.
 
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
+use c10m_e2e::fault_proxy::FaultProxy;
 use c10m_e2e::*;
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::Value;
 
 const LEASE: &str = "c10m-operator";
@@ -22,8 +33,9 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 /// The operator's default `--leader-elect-lease-duration`.
 const LEASE_DURATION: Duration = Duration::from_secs(15);
-/// Acquisition after expiry: the follower wakes at expiry, clears the stale
-/// holder, waits up to 1 s (collision avoidance) and takes the Lease.
+/// Acquisition after expiry: the follower wakes at expiry, reads the Lease
+/// and takes it with one write; a lost call is retried after 0.5 s, then
+/// 1 s (`operator/src/leader.rs`), so two lost calls cost 1.5 s of it.
 const SLACK: Duration = Duration::from_secs(3);
 
 fn fleet_manifest(name: &str, connections: i64) -> String {
@@ -322,5 +334,293 @@ fn the_operator_converges_after_etcd_and_kube_apiserver_restart() {
     assert!(
         idle < 0.1,
         "operators busy after converging: {idle:.3} of a core"
+    );
+}
+
+/// The operator's default `--leader-elect-renew-period`.
+const RENEW_PERIOD: Duration = Duration::from_secs(5);
+/// The operator's default `--leader-elect-renew-deadline`.
+const RENEW_DEADLINE: Duration = Duration::from_secs(10);
+/// One blip: every connection of the leader cut, new ones refused, for
+/// 1.5 s — well inside the 5 s between a missed renewal (renew period) and
+/// the renew deadline.
+const BLIP: Duration = Duration::from_millis(1500);
+/// A blip starts this long before the leader's next renewal is due
+/// (`renewTime` + renew period), so the renewal meets it even when the
+/// operator runs a little late or early.
+const BLIP_LEAD: Duration = Duration::from_millis(500);
+/// Blips in one term: enough for a retry delay that grows without ever
+/// resetting to pass the 5 s a missed renewal leaves before the deadline.
+/// kube-lease-manager 0.13 draws each next delay from [d, 2d] after a delay
+/// d, from 1 s (1.47× per error on average): past 5 s after 4 to 5 errors
+/// (measured: its leader exited at the 4th blip), with 8 almost surely.
+const BLIPS: usize = 8;
+/// Requests of the follower lost per fault: its read of the Lease and the
+/// first retry.
+const FOLLOWER_DROPS: usize = 2;
+
+/// One state of the Lease as a watch on the API server saw it (directly,
+/// not through any proxy).
+#[derive(Clone, Debug)]
+struct Seen {
+    holder: String,
+    renewed: SystemTime,
+    acquired: Option<SystemTime>,
+}
+
+/// Every state of a Lease, recorded by a watch on its own thread until
+/// dropped.
+struct LeaseLog {
+    seen: Arc<Mutex<Vec<Seen>>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl LeaseLog {
+    fn watch(ns: &str, name: &str) -> LeaseLog {
+        let seen = Arc::new(Mutex::new(Vec::<Seen>::new()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (log, ns, name) = (seen.clone(), ns.to_string(), name.to_string());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let config = kube::Config::from_custom_kubeconfig(
+                    kube::config::Kubeconfig::read_from(kubeconfig()).unwrap(),
+                    &Default::default(),
+                )
+                .await
+                .unwrap();
+                let client = kube::Client::try_from(config).unwrap();
+                let api: kube::Api<Lease> = kube::Api::namespaced(client, &ns);
+                let stream = watcher(
+                    api,
+                    watcher::Config::default().fields(&format!("metadata.name={name}")),
+                )
+                .default_backoff()
+                .applied_objects();
+                let record = stream.for_each(|lease| {
+                    let spec = lease.ok().and_then(|l| l.spec);
+                    if let Some(spec) = spec
+                        && let (Some(holder), Some(renewed)) =
+                            (spec.holder_identity, spec.renew_time)
+                    {
+                        log.lock().unwrap().push(Seen {
+                            holder,
+                            renewed: renewed.0.into(),
+                            acquired: spec.acquire_time.map(|t| t.0.into()),
+                        });
+                    }
+                    async {}
+                });
+                tokio::select! {
+                    _ = record => {}
+                    _ = stopped => {}
+                }
+            });
+        });
+        LeaseLog {
+            seen,
+            stop: Some(stop),
+        }
+    }
+
+    /// The first state held by process `pid` renewed after `after`.
+    fn renewal_by(&self, pid: u32, after: SystemTime) -> Option<Seen> {
+        let tag = format!("_{pid}_");
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.holder.contains(&tag) && s.renewed > after)
+            .cloned()
+    }
+
+    /// The latest renewal by process `pid`.
+    fn last_by(&self, pid: u32) -> Option<Seen> {
+        let tag = format!("_{pid}_");
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.holder.contains(&tag))
+            .max_by_key(|s| s.renewed)
+            .cloned()
+    }
+}
+
+impl Drop for LeaseLog {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Sleeps until wall-clock time `at` (no-op once past).
+fn sleep_until(at: SystemTime) {
+    if let Ok(wait) = at.duration_since(SystemTime::now()) {
+        std::thread::sleep(wait);
+    }
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// Issue 21, item 10 (kube-lease-manager resets its retry delay only when
+/// leadership changes hands: home-operations/kopiur#319, #324). Two elected
+/// operators, each talking to the real API server through its own loopback
+/// [`FaultProxy`].
+///
+/// - The leader's proxy blips [`BLIPS`] times, each [`BLIP`] long and timed
+///   on the leader's next renewal, so each blip costs it one renewal. The
+///   leader must survive every one (no exit, no `lost leadership`, still the
+///   holder): each blip alone leaves it 3.5 s of its renew deadline.
+/// - Meanwhile the follower loses [`FOLLOWER_DROPS`] reads of the Lease at a
+///   time. Then the leader is SIGKILLed and the follower loses its first
+///   reads again as the Lease expires; it must still take the Lease within
+///   [`SLACK`] of the expiry (`renewTime` + lease duration).
+#[test]
+fn short_api_blips_within_one_term_neither_depose_the_leader_nor_delay_the_takeover() {
+    let _serial = serial();
+    ensure_crd();
+    let ns = Namespace::create("ha-blip");
+    let ns = ns.0.as_str();
+    let (proxy_a, kubeconfig_a) = FaultProxy::for_api_server(&format!("{ns}-a"));
+    let (proxy_b, kubeconfig_b) = FaultProxy::for_api_server(&format!("{ns}-b"));
+    let leases = LeaseLog::watch(ns, LEASE);
+
+    let mut a = Operator::elected_with(ns, LEASE, &format!("{ns}-a"), &kubeconfig_a);
+    wait_for("operator a leads", Duration::from_secs(30), || {
+        (leases.last_by(a.pid()).is_some() && a.log_text().contains("became leader")).then_some(())
+    });
+    let mut b = Operator::elected_with(ns, LEASE, &format!("{ns}-b"), &kubeconfig_b);
+    wait_for("operator b waits", Duration::from_secs(30), || {
+        b.log_text()
+            .contains("waiting for the leader Lease")
+            .then_some(())
+    });
+
+    // Blips on the leader's side, each on a renewal; lost reads on the follower's.
+    let mut renewed = leases.last_by(a.pid()).unwrap().renewed;
+    let mut disturbed = 0;
+    let mut longest = Duration::ZERO;
+    for blip in 1..=BLIPS {
+        let start = renewed + RENEW_PERIOD - BLIP_LEAD;
+        sleep_until(start);
+        proxy_a.blip(BLIP);
+        if proxy_b.drops_pending() == 0 {
+            proxy_b.drop_next(FOLLOWER_DROPS);
+        }
+        let next = wait_for(
+            &format!("a renewal after blip {blip}"),
+            RENEW_DEADLINE + Duration::from_secs(10),
+            || {
+                if let Some(status) = a.exited() {
+                    return Some(Err(status));
+                }
+                leases.renewal_by(a.pid(), renewed).map(Ok)
+            },
+        );
+        let next = match next {
+            Ok(next) => next,
+            Err(status) => {
+                println!("FIGURE blips={blip}");
+                println!("FIGURE blips_survived={}", blip - 1);
+                panic!(
+                    "the leader stepped down ({status}) at blip {blip} of {BLIPS}, each {BLIP:?} long:\n{}",
+                    a.log_text()
+                );
+            }
+        };
+        let gap = next.renewed.duration_since(renewed).unwrap_or_default();
+        // A renewal made only after the blip ended: the one due inside it failed.
+        if next.renewed >= start + BLIP {
+            disturbed += 1;
+        }
+        longest = longest.max(gap);
+        eprintln!(
+            "blip {blip}: renewals {:.2} s apart (a renewal is due every {RENEW_PERIOD:?})",
+            secs(gap)
+        );
+        renewed = next.renewed;
+    }
+    println!("FIGURE blips={BLIPS}");
+    println!("FIGURE blips_survived={BLIPS}");
+    println!("FIGURE renewals_lost_to_blips={disturbed}");
+    println!("FIGURE longest_renewal_gap_s={:.2}", secs(longest));
+    println!("FIGURE leader_connections_refused={}", proxy_a.refused());
+    let log_a = a.log_text();
+    assert!(a.exited().is_none(), "the leader exited:\n{log_a}");
+    assert!(
+        !log_a.contains("lost leadership"),
+        "the leader stepped down:\n{log_a}"
+    );
+    assert!(holds(ns, &a), "the leader no longer holds the Lease");
+    // The blips must really have cost renewals, or the test proves nothing.
+    assert!(
+        disturbed >= BLIPS - 2,
+        "only {disturbed} of {BLIPS} blips met a renewal"
+    );
+    assert!(
+        longest < RENEW_DEADLINE,
+        "renewals {longest:?} apart (deadline {RENEW_DEADLINE:?})"
+    );
+    assert!(
+        b.exited().is_none() && !b.log_text().contains("became leader"),
+        "the follower acted or exited:\n{}",
+        b.log_text()
+    );
+
+    // Let the follower meet its last lost reads (it reads at least once per
+    // lease duration), then kill the leader.
+    let drained = Instant::now();
+    while proxy_b.drops_pending() > 0 && drained.elapsed() < Duration::from_secs(45) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    proxy_b.drop_next(0);
+    let lost_before = proxy_b.dropped();
+    println!("FIGURE follower_reads_lost_in_term={lost_before}");
+    a.kill();
+    let killed = SystemTime::now();
+    // A renewal in flight at the kill shows up a moment later.
+    std::thread::sleep(Duration::from_millis(500));
+    let last = leases.last_by(a.pid()).unwrap().renewed;
+    let expiry = last + LEASE_DURATION;
+    // The follower's first reads once the Lease expires are lost too.
+    sleep_until(expiry - Duration::from_millis(200));
+    proxy_b.drop_next(FOLLOWER_DROPS);
+    let taken = wait_for(
+        "operator b takes the Lease",
+        LEASE_DURATION + Duration::from_secs(45),
+        || leases.last_by(b.pid()),
+    );
+    let acquired = taken.acquired.unwrap_or(taken.renewed);
+    let lag = acquired.duration_since(expiry).unwrap_or_default();
+    let takeover = acquired.duration_since(killed).unwrap_or_default();
+    println!(
+        "FIGURE follower_reads_lost_at_takeover={}",
+        proxy_b.dropped() - lost_before
+    );
+    println!("FIGURE takeover_after_kill_s={:.2}", secs(takeover));
+    println!("FIGURE takeover_after_expiry_s={:.2}", secs(lag));
+    assert!(
+        lag <= SLACK,
+        "the follower took the Lease {lag:?} after it expired (slack {SLACK:?}):\n{}",
+        b.log_text()
+    );
+    wait_for("operator b leads", Duration::from_secs(10), || {
+        b.log_text().contains("became leader").then_some(())
+    });
+    assert!(
+        b.exited().is_none(),
+        "the new leader exited:\n{}",
+        b.log_text()
+    );
+    assert!(
+        proxy_b.dropped() > lost_before,
+        "no read of the follower was lost at the takeover"
     );
 }

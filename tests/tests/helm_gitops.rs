@@ -6,6 +6,7 @@
 //! a token of the chart's ServiceAccount (`kubectl create token`).
 
 use std::path::{Path, PathBuf};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use c10m_e2e::*;
@@ -20,8 +21,65 @@ fn chart() -> String {
         .into_owned()
 }
 
+/// The chart allows one operator per namespace: at most one cluster-wide
+/// release (its ClusterRoleBinding is `c10m-operator-cluster-wide`, one per
+/// cluster), and none beside a release watching one namespace (issue 21,
+/// item 11). Tests run in parallel threads, so a test holding a cluster-wide
+/// release (or dry-running one) holds this lock alone ([`alone`]); tests
+/// whose releases each watch their own namespace share it ([`beside_others`]).
+/// Take it before creating releases, so that it is released after their
+/// `helm uninstall`.
+static RELEASES: RwLock<()> = RwLock::new(());
+
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    let guard = RELEASES.write().unwrap_or_else(|e| e.into_inner());
+    remove_stale_cluster_objects();
+    guard
+}
+
+fn beside_others() -> RwLockReadGuard<'static, ()> {
+    let guard = RELEASES.read().unwrap_or_else(|e| e.into_inner());
+    remove_stale_cluster_objects();
+    guard
+}
+
+/// The chart's cluster-scoped objects (ClusterRoles, ClusterRoleBindings)
+/// left by an earlier run of these tests killed before its `helm uninstall`:
+/// their release namespace (`c10m-e2e-*`) is gone or going. The namespace's
+/// deletion never reaches them, and a scope binding left over would refuse
+/// every cluster-wide release after it.
+fn remove_stale_cluster_objects() {
+    for kind in ["clusterrolebindings", "clusterroles"] {
+        let list: Value = serde_json::from_str(&kubectl(&[
+            "get",
+            kind,
+            "-l",
+            "app.kubernetes.io/name=c10m-operator",
+            "-o",
+            "json",
+        ]))
+        .unwrap();
+        for obj in list["items"].as_array().unwrap() {
+            let Some(ns) =
+                obj["metadata"]["annotations"]["meta.helm.sh/release-namespace"].as_str()
+            else {
+                continue;
+            };
+            if !ns.starts_with("c10m-e2e-") {
+                continue;
+            }
+            let live = get_json("", "namespace", ns)
+                .is_some_and(|n| n["status"]["phase"] != "Terminating");
+            if !live {
+                let name = obj["metadata"]["name"].as_str().unwrap();
+                let _ = kubectl_with(&["delete", kind, name, "--ignore-not-found"], None);
+            }
+        }
+    }
+}
+
 /// A Helm release of the chart in its own namespace, watching `fleet_ns`
-/// (`None`: every namespace, with cluster-wide RBAC).
+/// (`None`: every namespace, with cluster-wide RBAC); uninstalled when dropped.
 struct Release {
     name: String,
     ns: Namespace,
@@ -29,6 +87,14 @@ struct Release {
 
 impl Release {
     fn install(name: &str, fleet_ns: Option<&str>, extra: &[&str]) -> (Self, String) {
+        let (release, ok, out) = Self::try_install(name, fleet_ns, extra);
+        assert!(ok, "helm install: {out}");
+        (release, out)
+    }
+
+    /// `helm install`, which may be refused: (the release, whether helm
+    /// succeeded, its output).
+    fn try_install(name: &str, fleet_ns: Option<&str>, extra: &[&str]) -> (Self, bool, String) {
         let ns = Namespace::create(&format!("{name}-op"));
         let chart = chart();
         let watch = fleet_ns.map(|f| format!("watchNamespace={f}"));
@@ -38,14 +104,29 @@ impl Release {
         }
         args.extend_from_slice(extra);
         let (ok, out) = helm(&args);
-        assert!(ok, "helm install: {out}");
         (
             Release {
                 name: name.into(),
                 ns,
             },
+            ok,
             out,
         )
+    }
+
+    /// `helm upgrade` of this release with `--reuse-values` and `extra`.
+    fn upgrade(&self, extra: &[&str]) -> (bool, String) {
+        let chart = chart();
+        let mut args = vec![
+            "upgrade",
+            &self.name,
+            &chart,
+            "-n",
+            &self.ns.0,
+            "--reuse-values",
+        ];
+        args.extend_from_slice(extra);
+        helm(&args)
     }
 
     fn deployment(&self) -> Value {
@@ -211,6 +292,7 @@ fn grants(obj: &Value, group: &str, resource: &str, verbs: &[&str]) -> bool {
 
 #[test]
 fn helm_lifecycle_with_least_privilege_rbac() {
+    let _shared = beside_others();
     // A namespaced install never manages the CRD (a cluster-wide write): the
     // test applies it, as a cluster admin would.
     ensure_crd();
@@ -392,6 +474,7 @@ fn helm_lifecycle_with_least_privilege_rbac() {
 
 #[test]
 fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
+    let _shared = beside_others();
     ensure_crd();
     let fleets = Namespace::create("gitops-fleets");
     let fns = fleets.0.as_str();
@@ -552,6 +635,9 @@ fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
 
 #[test]
 fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
+    // Its cluster-wide rendering holds c10m-operator-cluster-wide, which a
+    // cluster-wide release of another test would hold with another roleRef.
+    let _alone = alone();
     ensure_crd();
     let ns = Namespace::create("helm-dry");
     let chart = chart();
@@ -907,6 +993,7 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
 
 #[test]
 fn cluster_wide_release_manages_its_crd_with_the_chart_rbac() {
+    let _alone = alone();
     ensure_crd();
     let fleets = Namespace::create("helm-wide");
     let fns = fleets.0.as_str();
@@ -1063,4 +1150,272 @@ fn monitoring_renders_under_gitops_when_forced_and_carries_a_release_label() {
         "metrics.serviceMonitor.additionalLabels.app\\.kubernetes\\.io/name=x",
     ]);
     assert!(!ok && out.contains("app.kubernetes.io/name"), "{out}");
+}
+
+/// Issue 21, item 11 (cert-manager#3187, scylla-operator#683): two operator
+/// installations on the same fleets each elect a leader on their own Lease,
+/// and both act. The chart's ClusterRoleBinding is named after what the
+/// release operates on, never after the release: one name for any release,
+/// in any namespace, so Helm's ownership check refuses a second release on
+/// the same scope even where the chart's own check (`lookup`) cannot run.
+/// The Lease follows the release's name and namespace only.
+#[test]
+fn the_scope_binding_and_the_lease_follow_the_scope_and_the_release_only() {
+    let chart = chart();
+    let render = |release: &str, ns: &str, extra: &[&str]| -> Vec<Value> {
+        let mut args = vec![
+            "template",
+            release,
+            chart.as_str(),
+            "-n",
+            ns,
+            "--kube-version",
+            "1.35.4",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out) = helm(&args);
+        assert!(ok, "helm template {args:?}: {out}");
+        manifests(&out)
+    };
+    for (release, ns, full) in [
+        ("c10m", "c10m-system", "c10m-c10m-operator"),
+        ("other", "team-x", "other-c10m-operator"),
+        ("my-c10m-operator", "ops", "my-c10m-operator"),
+    ] {
+        for (extra, binding) in [
+            (&[][..], "c10m-operator-cluster-wide".to_string()),
+            (
+                &[
+                    "--set",
+                    "watchNamespace=team-a",
+                    "--set",
+                    "crd.manage=false",
+                ][..],
+                "c10m-operator-namespace-team-a".to_string(),
+            ),
+        ] {
+            let objs = render(release, ns, extra);
+            let crb = only(&objs, "ClusterRoleBinding");
+            assert_eq!(crb["metadata"]["name"], binding.as_str(), "{crb}");
+            assert_eq!(crb["roleRef"]["name"], full);
+            assert_eq!(
+                crb["subjects"],
+                serde_json::json!([{"kind": "ServiceAccount", "name": full, "namespace": ns}])
+            );
+            // The Lease: the release's full name in its namespace, granted
+            // by name; no live Deployment to read, so a rolling update.
+            let dep = only(&objs, "Deployment");
+            let args = &dep["spec"]["template"]["spec"]["containers"][0]["args"];
+            for arg in [
+                format!("--leader-elect-lease={full}"),
+                format!("--leader-elect-namespace={ns}"),
+            ] {
+                assert!(args.as_array().unwrap().contains(&arg.into()), "{args}");
+            }
+            assert_eq!(dep["spec"]["strategy"]["type"], "RollingUpdate");
+            let role = only_in(&objs, "Role", ns);
+            assert_eq!(role["rules"][1]["resourceNames"], serde_json::json!([full]));
+        }
+    }
+
+    // No value names the Lease: leaderElection.leaseName is refused, naming
+    // it, but for "" (the old default, in values files copied from the
+    // chart), which renders as before.
+    let (ok, values) = helm(&["show", "values", chart.as_str()]);
+    assert!(ok && !values.contains("leaseName:"), "{values}");
+    let (ok, out) = template(&["--set", "leaderElection.leaseName=other"]);
+    assert!(
+        !ok && out.contains("leaderElection.leaseName=other: this value was removed"),
+        "{out}"
+    );
+    assert_eq!(
+        rendered(&["--set", "leaderElection.leaseName="]),
+        rendered(&[])
+    );
+}
+
+/// Issue 21, item 11 with Helm on the plane: a second cluster-wide release,
+/// or a release watching a namespace beside a cluster-wide one (or the
+/// reverse, or a second on that namespace), is refused at `helm install`,
+/// naming the binding and the release in the way. The release in place
+/// keeps its binding and its rights. Releases watching different namespaces
+/// live side by side.
+#[test]
+fn a_second_operator_on_the_same_fleets_is_refused() {
+    let _alone = alone();
+    const WIDE: &str = "c10m-operator-cluster-wide";
+    let fleets = Namespace::create("scope-fleets");
+    let crd_off = ["--set", "crd.manage=false"];
+    let (first, _) = Release::install("c10m-one", None, &[]);
+    let owner = format!("release c10m-one in namespace {}", first.ns.0);
+    let refusal = format!("ClusterRoleBinding {WIDE} belongs to {owner}");
+
+    let (second, ok, out) = Release::try_install("c10m-two", None, &[]);
+    assert!(!ok, "a second cluster-wide release installed: {out}");
+    assert!(out.contains(&refusal), "{out}");
+    assert!(get_json(&second.ns.0, "deployment", "c10m-two-c10m-operator").is_none());
+    let (_third, ok, out) = Release::try_install("c10m-three", Some(&fleets.0), &crd_off);
+    assert!(!ok, "a namespaced release beside a cluster-wide one: {out}");
+    assert!(
+        out.contains(&refusal)
+            && out.contains(&format!("would reconcile fleets in namespace {}", fleets.0)),
+        "{out}"
+    );
+
+    // The first release is as it was, and an upgrade of it passes its own
+    // check.
+    let binding = get_json("", "clusterrolebinding", WIDE).expect("the cluster-wide binding");
+    assert_eq!(
+        binding["metadata"]["annotations"]["meta.helm.sh/release-namespace"],
+        first.ns.0.as_str()
+    );
+    assert_eq!(binding["roleRef"]["name"], "c10m-one-c10m-operator");
+    assert_eq!(
+        binding["subjects"],
+        serde_json::json!([{"kind": "ServiceAccount", "name": "c10m-one-c10m-operator", "namespace": first.ns.0}])
+    );
+    let sa = service_account_kubeconfig(&first.ns.0, "c10m-one-c10m-operator");
+    assert!(can_i(&sa, &["create", "deployments", "-n", &fleets.0]));
+    let (ok, out) = first.upgrade(&["--set", "logFormat=text"]);
+    assert!(ok, "helm upgrade of the cluster-wide release: {out}");
+    let (ok, out) = helm(&["status", "c10m-one", "-n", &first.ns.0]);
+    assert!(ok && out.contains("STATUS: deployed"), "{out}");
+    assert!(can_i(&sa, &["create", "deployments", "-n", &fleets.0]));
+    drop(first);
+    assert!(get_json("", "clusterrolebinding", WIDE).is_none());
+
+    // Without it, a release watching one namespace installs; a cluster-wide
+    // release, or a second one on that namespace, is refused beside it.
+    let (scoped, _) = Release::install("c10m-four", Some(&fleets.0), &crd_off);
+    let refusal = format!(
+        "ClusterRoleBinding c10m-operator-namespace-{} belongs to release c10m-four in namespace {}",
+        fleets.0, scoped.ns.0
+    );
+    let (_fifth, ok, out) = Release::try_install("c10m-five", None, &[]);
+    assert!(!ok && out.contains(&refusal), "{out}");
+    let (_sixth, ok, out) = Release::try_install("c10m-six", Some(&fleets.0), &crd_off);
+    assert!(!ok && out.contains(&refusal), "{out}");
+    // Another namespace is another operator's.
+    let others = Namespace::create("scope-others");
+    let (_seventh, _) = Release::install("c10m-seven", Some(&others.0), &crd_off);
+}
+
+/// Issue 21, item 11: the Lease cannot be renamed through the chart, and
+/// an upgrade whose running pods do not elect on the release's Lease (they
+/// run without leader election, or, from a chart that had
+/// leaderElection.leaseName, on another Lease) rolls with Recreate that
+/// once: no old pod acts beside the new pods' leader.
+#[test]
+fn a_lease_rename_is_refused_and_a_change_of_lease_rolls_with_recreate() {
+    let _shared = beside_others();
+    let fleets = Namespace::create("lease-fleets");
+    let crd_off = ["--set", "crd.manage=false"];
+    let (refused, ok, out) = Release::try_install(
+        "c10m-l0",
+        Some(&fleets.0),
+        &[&crd_off[..], &["--set", "leaderElection.leaseName=other"]].concat(),
+    );
+    assert!(
+        !ok && out.contains("leaderElection.leaseName=other: this value was removed"),
+        "{out}"
+    );
+    assert!(!helm(&["status", "c10m-l0", "-n", &refused.ns.0]).0);
+
+    let (release, _) = Release::install(
+        "c10m-l1",
+        Some(&fleets.0),
+        &[
+            &crd_off[..],
+            &[
+                "--set",
+                "replicas=1",
+                "--set",
+                "leaderElection.enabled=false",
+            ],
+        ]
+        .concat(),
+    );
+    const LEASE: &str = "c10m-l1-c10m-operator";
+    let strategy = || release.deployment()["spec"]["strategy"].clone();
+    let election = || -> Vec<String> {
+        release.deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .filter(|a| a.starts_with("--leader-elect=") || a.starts_with("--leader-elect-lease="))
+            .collect()
+    };
+    assert_eq!(strategy()["type"], "Recreate");
+
+    // Leader election on: the running pod acts without a Lease, so a
+    // rolling update would run it beside the new pods' leader.
+    let (ok, out) = release.upgrade(&[
+        "--set",
+        "replicas=2",
+        "--set",
+        "leaderElection.enabled=true",
+    ]);
+    assert!(ok, "{out}");
+    assert_eq!(strategy()["type"], "Recreate");
+    assert_eq!(
+        election(),
+        [
+            "--leader-elect=true",
+            &format!("--leader-elect-lease={LEASE}")
+        ]
+    );
+    // The next upgrade's pods elect on the same Lease: a rolling update.
+    let (ok, out) = release.upgrade(&["--set", "logFormat=text"]);
+    assert!(ok, "{out}");
+    assert_eq!(
+        strategy(),
+        serde_json::json!({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
+    );
+
+    // A Lease name is refused at upgrade too, and changes nothing.
+    // (The generation: the Deployment controller still writes its status.)
+    let generation = release.deployment()["metadata"]["generation"].clone();
+    let (ok, out) = release.upgrade(&["--set", "leaderElection.leaseName=other"]);
+    assert!(
+        !ok && out.contains("leaderElection.leaseName=other: this value was removed"),
+        "{out}"
+    );
+    assert_eq!(release.deployment()["metadata"]["generation"], generation);
+
+    // Pods electing on another Lease, as the chart before this one
+    // rendered them with leaderElection.leaseName=c10m-old: the upgrade
+    // back onto the release's Lease is a Recreate.
+    let args = election();
+    let dep = release.deployment();
+    let all = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap();
+    let idx = all
+        .iter()
+        .position(|a| a.as_str().unwrap().starts_with("--leader-elect-lease="))
+        .unwrap();
+    let patch = format!(
+        r#"[{{"op":"replace","path":"/spec/template/spec/containers/0/args/{idx}","value":"--leader-elect-lease=c10m-old"}}]"#
+    );
+    kubectl(&[
+        "patch",
+        "deployment",
+        LEASE,
+        "-n",
+        &release.ns.0,
+        "--type=json",
+        "-p",
+        &patch,
+    ]);
+    let (ok, out) = release.upgrade(&[]);
+    assert!(ok, "{out}");
+    assert_eq!(strategy()["type"], "Recreate");
+    assert_eq!(election(), args);
+    let role = get_json(&release.ns.0, "role", &format!("{LEASE}-leader-election"))
+        .expect("the leader-election Role");
+    assert_eq!(
+        role["rules"][1]["resourceNames"],
+        serde_json::json!([LEASE])
+    );
 }

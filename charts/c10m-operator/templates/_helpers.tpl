@@ -52,3 +52,82 @@ chart's labels.
 {{- toYaml . -}}
 {{- end -}}
 {{- end -}}
+
+{{- /*
+The Lease the replicas elect their leader on, in the release namespace: the
+release's full name. A release never changes its name or namespace, so the
+old and the new pods of every rolling update elect on this one Lease; that
+is what keeps a rolling update to one leader. It is deliberately not a value
+(leaderElection.leaseName was removed): a Lease renamed in a rolling update
+lets the old pods and the new ones each elect a leader, and both reconcile.
+*/}}
+{{- define "c10m-operator.leaseName" -}}
+{{- include "c10m-operator.fullname" . -}}
+{{- end -}}
+
+{{- /*
+The ClusterRoleBinding that grants the operator its rights is named after
+what the release operates on, never after the release:
+  "c10m-operator-cluster-wide"           watchNamespace unset (every namespace)
+  "c10m-operator-namespace-<namespace>"  watchNamespace set
+Helm refuses to install or adopt an object another release owns, so a second
+release operating on the same scope fails at `helm install` ("... exists and
+cannot be imported into the current release: invalid ownership metadata"),
+even where the check below cannot run.
+*/}}
+{{- define "c10m-operator.scopeBinding" -}}
+{{- if .Values.watchNamespace -}}
+c10m-operator-namespace-{{ .Values.watchNamespace }}
+{{- else -}}
+c10m-operator-cluster-wide
+{{- end -}}
+{{- end -}}
+
+{{- /*
+Refuses a release whose operator would reconcile fleets another operator
+installation already reconciles: two leaders, each on its own Lease, acting
+on one fleet. It reads the scope bindings above (one list of
+ClusterRoleBindings; `lookup` reads the cluster under `helm install` and
+`upgrade`, Flux's helm-controller and `--dry-run=server`, and returns nothing
+under `helm template`, Argo CD and client-side dry runs). A binding is this
+release's when Helm's ownership annotations name this release and namespace;
+one without them was installed outside Helm (`helm template | kubectl apply`,
+Argo CD) and counts as another installation.
+  - cluster-wide: refused beside any other cluster-wide or namespaced one
+    (their namespaces are among every namespace);
+  - watching X: refused beside a cluster-wide one or another watching X.
+A release switching between the two (`helm upgrade --set watchNamespace`)
+meets only its own binding, and keeps one Lease through its rolling update.
+*/}}
+{{- define "c10m-operator.refuseASecondOperator" -}}
+{{- $mine := include "c10m-operator.scopeBinding" . -}}
+{{- $wide := "c10m-operator-cluster-wide" -}}
+{{- $perNamespace := "c10m-operator-namespace-" -}}
+{{- $release := printf "%s/%s" .Release.Namespace .Release.Name -}}
+{{- range index (lookup "rbac.authorization.k8s.io/v1" "ClusterRoleBinding" "" "") "items" -}}
+{{- $name := .metadata.name -}}
+{{- if or (eq $name $mine) (eq $name $wide) (and (eq $mine $wide) (hasPrefix $perNamespace $name)) -}}
+{{- $a := index .metadata "annotations" | default dict -}}
+{{- $ns := index $a "meta.helm.sh/release-namespace" | default "" -}}
+{{- $rel := index $a "meta.helm.sh/release-name" | default "" -}}
+{{- if ne (printf "%s/%s" $ns $rel) $release -}}
+{{- $owner := "an installation outside Helm (it has no meta.helm.sh ownership annotations)" -}}
+{{- $remedy := "remove that installation first" -}}
+{{- if $rel -}}
+{{- $owner = printf "release %s in namespace %s" $rel $ns -}}
+{{- $remedy = printf "uninstall it first (helm uninstall %s -n %s)" $rel $ns -}}
+{{- end -}}
+{{- $theirs := "every namespace" -}}
+{{- if ne $name $wide -}}
+{{- $theirs = printf "namespace %s" (trimPrefix $perNamespace $name) -}}
+{{- $remedy = printf "%s, or give this release a watchNamespace no other operator covers" $remedy -}}
+{{- end -}}
+{{- $ours := "every namespace" -}}
+{{- with $.Values.watchNamespace -}}
+{{- $ours = printf "namespace %s" . -}}
+{{- end -}}
+{{- fail (printf "ClusterRoleBinding %s belongs to %s, whose c10m operator reconciles fleets in %s; this release's would reconcile fleets in %s. Two operators on one fleet each elect a leader on their own Lease, and both act on it. Run one operator per namespace, or a single cluster-wide one: %s." $name $owner $theirs $ours $remedy) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
