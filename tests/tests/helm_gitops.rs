@@ -1300,6 +1300,81 @@ fn a_second_operator_on_the_same_fleets_is_refused() {
     let (_seventh, _) = Release::install("c10m-seven", Some(&others.0), &crd_off);
 }
 
+/// Issue 21, item 11, found by a fresh-clone review: a release installed
+/// by the earlier chart (0.1.0) names its ClusterRoleBinding after itself
+/// (`<release>-c10m-operator`), so the scope bindings alone missed it and a
+/// second cluster-wide operator installed beside it. The binding here is
+/// the one that chart leaves (its name, chart labels and Helm ownership
+/// annotations, created with kubectl: the earlier chart is not in the
+/// tree); its scope cannot be read from it, so every other release is
+/// refused until it is upgraded or uninstalled.
+#[test]
+fn a_release_of_the_earlier_chart_refuses_a_second_operator() {
+    let _alone = alone();
+    let earlier = Namespace::create("earlier-op");
+    let binding = "c10m-old-c10m-operator";
+    struct Removed(&'static str);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = kubectl_with(
+                &["delete", "clusterrolebinding", self.0, "--ignore-not-found"],
+                None,
+            );
+        }
+    }
+    let _removed = Removed(binding);
+    let manifest = format!(
+        r#"apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: {binding}
+  labels:
+    app.kubernetes.io/name: c10m-operator
+    app.kubernetes.io/instance: c10m-old
+    app.kubernetes.io/managed-by: Helm
+  annotations:
+    meta.helm.sh/release-name: c10m-old
+    meta.helm.sh/release-namespace: {ns}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: view
+subjects:
+  - kind: ServiceAccount
+    name: c10m-old-c10m-operator
+    namespace: {ns}
+"#,
+        ns = earlier.0
+    );
+    let out = kubectl_with(&["apply", "-f", "-"], Some(&manifest));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let refusal = format!(
+        "ClusterRoleBinding {binding} belongs to release c10m-old in namespace {}, installed by an earlier c10m-operator chart",
+        earlier.0
+    );
+    let (second, ok, out) = Release::try_install("c10m-new", None, &[]);
+    assert!(
+        !ok,
+        "a cluster-wide release beside an earlier chart's: {out}"
+    );
+    assert!(
+        out.contains(&refusal) && out.contains("helm upgrade c10m-old"),
+        "{out}"
+    );
+    assert!(get_json(&second.ns.0, "deployment", "c10m-new-c10m-operator").is_none());
+    let fleets = Namespace::create("earlier-fleets");
+    let (_third, ok, out) = Release::try_install(
+        "c10m-new-ns",
+        Some(&fleets.0),
+        &["--set", "crd.manage=false"],
+    );
+    assert!(!ok && out.contains(&refusal), "{out}");
+}
+
 /// Issue 21, item 11: the Lease cannot be renamed through the chart, and
 /// an upgrade whose running pods do not elect on the release's Lease (they
 /// run without leader election, or, from a chart that had

@@ -86,7 +86,10 @@ c10m-operator-cluster-wide
 {{- /*
 Refuses a release whose operator would reconcile fleets another operator
 installation already reconciles: two leaders, each on its own Lease, acting
-on one fleet. It reads the scope bindings above (one list of
+on one fleet. A binding of another release installed by an earlier chart
+(named after its release, labelled app.kubernetes.io/name=c10m-operator)
+refuses every release: its scope cannot be read from it, until that release
+is upgraded to this chart. It reads the scope bindings above (one list of
 ClusterRoleBindings; `lookup` reads the cluster under `helm install` and
 `upgrade`, Flux's helm-controller and `--dry-run=server`, and returns nothing
 under `helm template`, Argo CD and client-side dry runs). A binding is this
@@ -106,6 +109,17 @@ meets only its own binding, and keeps one Lease through its rolling update.
 {{- $release := printf "%s/%s" .Release.Namespace .Release.Name -}}
 {{- range index (lookup "rbac.authorization.k8s.io/v1" "ClusterRoleBinding" "" "") "items" -}}
 {{- $name := .metadata.name -}}
+{{- $labels := .metadata.labels | default dict -}}
+{{- $earlier := and (eq (index $labels "app.kubernetes.io/name" | default "") "c10m-operator") (ne $name $wide) (not (hasPrefix $perNamespace $name)) -}}
+{{- if $earlier -}}
+{{- /* A binding of a release installed by an earlier chart, named after its release: its scope cannot be read from it. */ -}}
+{{- $a := index .metadata "annotations" | default dict -}}
+{{- $ns := index $a "meta.helm.sh/release-namespace" | default "" -}}
+{{- $rel := index $a "meta.helm.sh/release-name" | default "" -}}
+{{- if ne (printf "%s/%s" $ns $rel) $release -}}
+{{- fail (printf "ClusterRoleBinding %s belongs to release %s in namespace %s, installed by an earlier c10m-operator chart: its operator may reconcile the fleets this release's would, and an earlier chart's binding does not say which. Upgrade that release to this chart first (helm upgrade %s ... -n %s), or uninstall it." $name (default "(outside Helm)" $rel) (default "(none)" $ns) (default "RELEASE" $rel) (default "NAMESPACE" $ns)) -}}
+{{- end -}}
+{{- end -}}
 {{- if or (eq $name $mine) (eq $name $wide) (and (eq $mine $wide) (hasPrefix $perNamespace $name)) -}}
 {{- $a := index .metadata "annotations" | default dict -}}
 {{- $ns := index $a "meta.helm.sh/release-namespace" | default "" -}}
