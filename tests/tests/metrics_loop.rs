@@ -10,7 +10,7 @@
 //! Figures are printed as `FIGURE name=value` lines.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -182,8 +182,13 @@ impl Drop for Scenario {
 /// Starts `c10m-loadgen`: WebSocket, reconnect-on-close, random target
 /// from the scenario's targets file.
 fn start_load(s: &Scenario, connections: u64, rate: u64, source_net: u8) -> Loadgen {
+    start_load_on(&s.targets, connections, rate, source_net)
+}
+
+/// [`start_load`] on the targets file at `targets`.
+fn start_load_on(targets: &Path, connections: u64, rate: u64, source_net: u8) -> Loadgen {
     Loadgen::start(&[
-        format!("--targets-file={}", s.targets.display()),
+        format!("--targets-file={}", targets.display()),
         "--protocol=websocket".into(),
         "--reconnect".into(),
         "--backoff-min-ms=200".into(),
@@ -605,14 +610,7 @@ fn f_scale_in_keeps_the_fleets_spread_over_nodes_and_lifts_stale_marks() {
             .map(|p| format!("{}:7000", p.ip))
             .collect::<Vec<_>>(),
     );
-    let load = Loadgen::start(&[
-        format!("--targets-file={}", targets.display()),
-        "--protocol=websocket".into(),
-        "--ping-rate=0".into(),
-        "--connections=400".into(),
-        "--rate=400".into(),
-        "--source-net=132".into(),
-    ]);
+    let load = start_load_on(&targets, 400, 400, 132);
     let loads = wait_for("400 connections on the 4 loaded shards", MINUTE, || {
         let l = s.loads();
         let on_loaded = loaded
