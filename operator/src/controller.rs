@@ -19,6 +19,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::utils::{PredicateConfig, WatchStreamExt};
 use kube::runtime::watcher::{self, watcher};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::api::{CRD_SCHEMA_REVISION, ConnectionFleet};
@@ -445,11 +446,23 @@ pub async fn run_controller(
     let (services, service_writer) = reflector::store();
     let (pdb_store, pdb_writer) = reflector::store();
     let (nodes, node_writer) = reflector::store();
+    // SIGTERM/SIGINT stops the controller (it finishes the reconciles under
+    // way) and ends their waits for stores that have not listed yet.
+    let stop = CancellationToken::new();
+    let signal = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            shutdown_signal().await;
+            info!("signal received; finishing the reconciles under way");
+            stop.cancel();
+        }
+    });
     let cache = Cache {
         nodes,
         deployments,
         services,
         pdbs: pdb_store,
+        stop: stop.clone(),
     };
     let ctx = Arc::new(
         Context::new(client.clone(), instance, metrics, prometheus)
@@ -484,7 +497,7 @@ pub async fn run_controller(
                 .map(|f| ObjectRef::from_obj(f.as_ref()))
                 .collect::<Vec<_>>()
         })
-        .shutdown_on_signal()
+        .graceful_shutdown_on(stop.cancelled_owned())
         .run(
             |fleet, ctx: Arc<Context>| async move {
                 let started = Instant::now();
@@ -502,8 +515,19 @@ pub async fn run_controller(
             }
         })
         .await;
+    signal.abort();
     info!("c10m-operator controller stopped");
     Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
 }
 
 #[cfg(test)]

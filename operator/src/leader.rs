@@ -525,16 +525,6 @@ impl LeaseLock {
     }
 }
 
-/// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-}
-
 /// Waits for the Lease, then runs the controller while holding it. Returns
 /// on SIGTERM/SIGINT (releasing the Lease for a fast hand-over); exits the
 /// process when leadership is lost.
@@ -565,7 +555,7 @@ pub async fn run(
     );
     let (mine, sent) = tokio::select! {
         got = lock.acquire() => got.with_context(|| format!("Lease {namespace}/{}", leader.lease_name))?,
-        _ = shutdown_signal() => {
+        _ = controller::shutdown_signal() => {
             info!("signal received while follower; exiting");
             return Ok(());
         }

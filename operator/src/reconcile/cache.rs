@@ -27,9 +27,11 @@ use kube::Resource;
 use kube::runtime::reflector::{ObjectRef, Store};
 use serde::Serialize;
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 
 /// How long a reconcile waits for the stores' first lists after a start
-/// (or a leader's takeover) before it reads through the API instead.
+/// (or a leader's takeover) before it reads through the API instead; a
+/// stop ([`Cache::stop`]) ends the wait at once.
 pub const READY_WAIT: Duration = Duration::from_secs(30);
 
 /// The controller's stores.
@@ -43,11 +45,17 @@ pub struct Cache {
     pub services: Store<Service>,
     /// The operator's PodDisruptionBudgets (without managedFields).
     pub pdbs: Store<PodDisruptionBudget>,
+    /// Cancelled when the controller stops (SIGTERM/SIGINT). The stores are
+    /// fed by the controller's trigger streams, which a stopping controller
+    /// no longer polls: a reconcile still waiting for their first lists
+    /// would otherwise hold the exit for the whole [`READY_WAIT`].
+    pub stop: CancellationToken,
 }
 
 impl Cache {
-    /// Waits (at most [`READY_WAIT`]) until every store has had its first
-    /// list; `false` if one has not.
+    /// Waits (at most [`READY_WAIT`], and not past [`Cache::stop`]) until
+    /// every store has had its first list; `false` if one has not (the
+    /// reconcile then reads through the API).
     pub async fn ready(&self) -> bool {
         let all = async {
             self.nodes.wait_until_ready().await.is_ok()
@@ -55,7 +63,10 @@ impl Cache {
                 && self.services.wait_until_ready().await.is_ok()
                 && self.pdbs.wait_until_ready().await.is_ok()
         };
-        tokio::time::timeout(READY_WAIT, all).await.unwrap_or(false)
+        tokio::select! {
+            ready = tokio::time::timeout(READY_WAIT, all) => ready.unwrap_or(false),
+            () = self.stop.cancelled() => false,
+        }
     }
 }
 
@@ -134,7 +145,73 @@ pub fn difference(live: &Value, want: &Value, path: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::runtime::reflector::{self, store::Writer};
+    use kube::runtime::watcher;
     use serde_json::json;
+    use tokio::time::Instant;
+
+    /// A cache whose stores have had no list yet, with their writers (a
+    /// dropped writer ends the wait with an error, not a list).
+    #[allow(clippy::type_complexity)]
+    fn unlisted() -> (
+        Cache,
+        (
+            Writer<Node>,
+            Writer<Deployment>,
+            Writer<Service>,
+            Writer<PodDisruptionBudget>,
+        ),
+    ) {
+        let (nodes, n) = reflector::store();
+        let (deployments, d) = reflector::store();
+        let (services, s) = reflector::store();
+        let (pdbs, p) = reflector::store();
+        let cache = Cache {
+            nodes,
+            deployments,
+            services,
+            pdbs,
+            stop: CancellationToken::new(),
+        };
+        (cache, (n, d, s, p))
+    }
+
+    // The clock is tokio's paused one: elapsed times are exact, not measured.
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_ends_the_wait_for_stores_that_never_list() {
+        let (cache, _writers) = unlisted();
+        let stop = cache.stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            stop.cancel();
+        });
+        let start = Instant::now();
+        assert!(!cache.ready().await);
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+        // Once stopped, a later reconcile does not wait at all.
+        let start = Instant::now();
+        assert!(!cache.ready().await);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_stop_the_wait_is_bounded_and_a_full_list_ends_it() {
+        let (cache, mut writers) = unlisted();
+        let start = Instant::now();
+        assert!(!cache.ready().await);
+        assert_eq!(start.elapsed(), READY_WAIT);
+        writers.0.apply_watcher_event(&watcher::Event::InitDone);
+        writers.1.apply_watcher_event(&watcher::Event::InitDone);
+        writers.2.apply_watcher_event(&watcher::Event::InitDone);
+        let start = Instant::now();
+        assert!(!cache.ready().await, "one store still unlisted");
+        assert_eq!(start.elapsed(), READY_WAIT);
+        writers.3.apply_watcher_event(&watcher::Event::InitDone);
+        let start = Instant::now();
+        assert!(cache.ready().await);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
 
     #[test]
     fn what_the_api_server_adds_is_no_difference() {
