@@ -9,6 +9,7 @@
 //! silently means something else. Parsing is `promql-parser`'s.
 
 use promql_parser::label::{MatchOp, Matcher, Matchers};
+use promql_parser::parser::value::ValueType;
 use promql_parser::parser::{self, Expr, VectorSelector};
 
 /// Why a query cannot be confined (the caller names the spec field).
@@ -30,6 +31,10 @@ pub enum ConfineError {
         /// Its enforced value.
         value: String,
     },
+    /// The query's answer is not an instant vector or a scalar (a range
+    /// vector, a string): the operator reads one value per series.
+    #[error("the query's answer is a {0}; an instant vector or a scalar is read")]
+    NotInstant(String),
     /// A selector matches a label the admin's policy confines the
     /// namespace's queries to (`queryMatchers`) other than by equality with
     /// its value.
@@ -55,7 +60,10 @@ const FLEET_LABELS: [&str; 2] = ["namespace", "fleet"];
 /// `namespace` and `fleet`, as the scrape config sets them) and to the
 /// admin's `policy` matchers for the namespace (label, value; the policy
 /// never sets `namespace` or `fleet`). A conflict with a policy matcher is
-/// [`ConfineError::Policy`].
+/// [`ConfineError::Policy`]. The result is an instant vector: a query whose
+/// answer is a scalar comes back wrapped in `vector()` (one series with no
+/// labels, the same value), one whose answer is a range vector or a string
+/// is [`ConfineError::NotInstant`].
 pub fn render(
     template: &str,
     namespace: &str,
@@ -72,7 +80,7 @@ pub fn render(
             .filter(|(label, _)| !FLEET_LABELS.contains(&label.as_str()))
             .map(|(l, v)| (l.as_str(), v.as_str())),
     );
-    confine(&query, &enforced).map_err(|e| match e {
+    let expr = confined(&query, &enforced).map_err(|e| match e {
         ConfineError::Conflict {
             selector,
             label,
@@ -83,15 +91,26 @@ pub fn render(
             value,
         },
         e => e,
-    })
+    })?;
+    match expr.value_type() {
+        ValueType::Vector => Ok(expr.to_string()),
+        ValueType::Scalar => Ok(format!("vector({expr})")),
+        ValueType::Matrix => Err(ConfineError::NotInstant("range vector".into())),
+        ValueType::String => Err(ConfineError::NotInstant("string".into())),
+    }
 }
 
 /// `query` with every selector confined to the `enforced` (label, value)
 /// pairs, as PromQL text. Errors: [`ConfineError`].
 pub fn confine(query: &str, enforced: &[(&str, &str)]) -> Result<String, ConfineError> {
+    Ok(confined(query, enforced)?.to_string())
+}
+
+/// [`confine`], as the parsed expression.
+fn confined(query: &str, enforced: &[(&str, &str)]) -> Result<Expr, ConfineError> {
     let mut expr = parser::parse(query).map_err(ConfineError::Parse)?;
     walk(&mut expr, enforced)?;
-    Ok(expr.to_string())
+    Ok(expr)
 }
 
 fn walk(e: &mut Expr, enforced: &[(&str, &str)]) -> Result<(), ConfineError> {
@@ -351,6 +370,26 @@ mod tests {
     fn numbers_and_strings_need_no_selector() {
         assert_eq!(ok("vector(1)"), "vector(1)");
         assert_eq!(ok("1 + 2"), "1 + 2");
+    }
+
+    #[test]
+    fn a_rendered_query_answers_an_instant_vector() {
+        // A scalar becomes one series without labels.
+        assert_eq!(
+            render("scalar(max(c10m_tcp_memory_bytes))", "team-a", "edge", &[]).unwrap(),
+            r#"vector(scalar(max(c10m_tcp_memory_bytes{fleet="edge",namespace="team-a"})))"#
+        );
+        assert_eq!(render("42", "team-a", "edge", &[]).unwrap(), "vector(42)");
+        // A range vector or a string has no one value per series.
+        for (q, kind) in [
+            ("c10m_connections[5m]", "range vector"),
+            ("rate(c10m_connections[5m])[10m:1m]", "range vector"),
+            (r#""c10m""#, "string"),
+        ] {
+            let err = render(q, "team-a", "edge", &[]).unwrap_err();
+            assert_eq!(err, ConfineError::NotInstant(kind.into()), "{q}");
+            assert!(err.to_string().contains(&format!("is a {kind};")), "{err}");
+        }
     }
 
     #[test]

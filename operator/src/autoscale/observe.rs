@@ -101,22 +101,12 @@ pub async fn observe(
     let read = reader
         .read(&fleet.spec.metrics, &ns, &name, &expected)
         .await;
-    // Prometheus away or the spec refused: no second query to time out.
-    if !matches!(
-        read,
-        Err(MetricsError::Unreachable(_) | MetricsError::Refused(_))
-    ) {
-        let running: Vec<(String, Option<String>)> = nodes
-            .into_iter()
-            .filter(|(pod, _)| expected.pods.contains(pod))
-            .collect();
-        seen.kernel = reader
-            .read_kernel(&fleet.spec.metrics, &ns, &name)
-            .await
-            .ok()
-            .map(|samples| drift::group(&samples, &running));
-    }
-    seen.metrics = Some(read);
+    let running: Vec<(String, Option<String>)> = nodes
+        .into_iter()
+        .filter(|(pod, _)| expected.pods.contains(pod))
+        .collect();
+    seen.kernel = read.kernel.map(|samples| drift::group(&samples, &running));
+    seen.metrics = Some(read.metrics);
     Ok(seen)
 }
 

@@ -329,11 +329,7 @@ impl Reader {
         self
     }
 
-    async fn vector(
-        &self,
-        query: &str,
-        timeout: Duration,
-    ) -> Result<Vec<(HashMap<String, String>, f64)>, MetricsError> {
+    async fn vector(&self, query: &str, timeout: Duration) -> Result<Samples, MetricsError> {
         let fut = self
             .client
             .query(query)
@@ -360,84 +356,232 @@ impl Reader {
         }
     }
 
-    /// Reads the kernel settings the fleet's shards report
-    /// ([`super::drift::KERNEL_QUERY`], confined like every query of the
-    /// fleet): one sample per shard and setting, as Prometheus returns them.
-    pub async fn read_kernel(
-        &self,
-        spec: &MetricsSpec,
-        namespace: &str,
-        fleet: &str,
-    ) -> Result<Vec<(HashMap<String, String>, f64)>, MetricsError> {
-        let timeout = Duration::from_secs(spec.query_timeout_seconds.max(1) as u64);
-        let policy = matchers_for(&self.confinement, namespace);
-        let q = render_query(super::drift::KERNEL_QUERY, namespace, fleet, &policy)?;
-        self.vector(&q, timeout).await
-    }
-
-    /// Reads the fleet's metrics and [`validate`]s them against `expected`.
+    /// Reads the fleet's metrics and kernel settings in one query
+    /// ([`fleet_query`]), and [`validate`]s the metrics against `expected`.
+    /// Prometheus unreachable (or answering an error) and a spec whose
+    /// queries cannot be confined are the `metrics` error, with no kernel
+    /// read.
     pub async fn read(
         &self,
         spec: &MetricsSpec,
         namespace: &str,
         fleet: &str,
         expected: &Expected,
-    ) -> Result<FleetMetrics, MetricsError> {
+    ) -> Reading {
         let timeout = Duration::from_secs(spec.query_timeout_seconds.max(1) as u64);
         let policy = matchers_for(&self.confinement, namespace);
-        let up = render_query(&spec.up_query, namespace, fleet, &policy)?;
-        let ages = self
-            .vector(&format!("time() - timestamp({up})"), timeout)
-            .await?;
-        if ages.is_empty() {
-            return Err(MetricsError::Empty(up));
+        let query = match fleet_query(spec, namespace, fleet, &policy) {
+            Ok(q) => q,
+            Err(e) => return Reading::failed(e),
+        };
+        let samples = match self.vector(&query.text, timeout).await {
+            Ok(samples) => samples,
+            Err(e) => return Reading::failed(e),
+        };
+        let mut parts = Parts::default();
+        for (mut labels, v) in samples {
+            let part = labels.remove(PART_LABEL);
+            let into = match part.as_deref() {
+                Some(Part::AGE) => &mut parts.ages,
+                Some(Part::CONNECTIONS) => &mut parts.connections,
+                Some(Part::SOCKET_MEMORY) => &mut parts.socket_memory,
+                Some(Part::KERNEL) => &mut parts.kernel,
+                _ => continue,
+            };
+            into.push((labels, v));
         }
-        // A NaN age is no age: never "fresh" (f64::max would skip it).
-        let doubts: Vec<Doubt> = ages
-            .iter()
-            .filter(|(_, a)| !a.is_finite() || *a < 0.0)
-            .map(|(labels, a)| {
-                let series = format!(
-                    "the scrape age of {}",
-                    labels.get("pod").map_or("a shard", String::as_str)
-                );
-                let value = show(*a);
-                if a.is_finite() {
-                    Doubt::Negative { series, value }
-                } else {
-                    Doubt::NonFinite { series, value }
-                }
-            })
-            .collect();
-        if !doubts.is_empty() {
-            return Err(MetricsError::Doubtful(doubts));
+        Reading {
+            metrics: judge(&query, &parts, spec, expected),
+            kernel: Some(parts.kernel),
         }
-        let age = ages.iter().map(|(_, a)| *a).fold(0.0, f64::max);
-        if age > spec.stale_after_seconds as f64 {
-            return Err(MetricsError::Stale {
-                age,
-                limit: spec.stale_after_seconds,
-            });
-        }
-        let q = render_query(&spec.connections_query, namespace, fleet, &policy)?;
-        let per_pod = self.vector(&q, timeout).await?;
-        if per_pod.is_empty() {
-            return Err(MetricsError::Empty(q));
-        }
-        let mem = self
-            .vector(
-                &render_query(&spec.socket_memory_query, namespace, fleet, &policy)?,
-                timeout,
-            )
-            .await?;
-        let mem: Vec<f64> = mem.into_iter().map(|(_, v)| v).collect();
-        validate(&per_pod, &mem, expected)
     }
+}
+
+/// The label the one query of a sync sets on each series to tell its
+/// parts apart ([`fleet_query`]).
+pub const PART_LABEL: &str = "c10m_read";
+
+/// The values of [`PART_LABEL`].
+struct Part;
+
+impl Part {
+    const AGE: &str = "age";
+    const CONNECTIONS: &str = "connections";
+    const SOCKET_MEMORY: &str = "socket_memory";
+    const KERNEL: &str = "kernel";
+}
+
+/// The one query a sync sends for a fleet, and the parts its errors name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetQuery {
+    /// The PromQL sent.
+    pub text: String,
+    /// `upQuery`, rendered for the fleet.
+    pub up: String,
+    /// `connectionsQuery`, rendered for the fleet.
+    pub connections: String,
+}
+
+/// The fleet's four reads as one PromQL query, so that a sync costs one
+/// request per fleet (issue 23: 1,000 fleets at four queries each were
+/// 4,000 requests a sync period): the scrape age of each shard (`time() -
+/// timestamp(upQuery)`), `connectionsQuery`, `socketMemoryQuery` and the
+/// kernel settings ([`super::drift::KERNEL_QUERY`]), each rendered and
+/// confined on its own ([`render_query`]), labelled with [`PART_LABEL`]
+/// (`label_replace`) and joined with `or`. `or` keeps every series of its
+/// left side and those of its right side whose labels (the metric name
+/// aside) match none on the left; the part label differs between the
+/// parts, so no series of one part can hide one of another, and a part
+/// that has no series leaves the others as they are. A part whose answer
+/// is a scalar is already a vector here ([`crate::promql::render`]).
+/// Errors: a template that cannot be confined ([`MetricsError::Refused`]).
+pub fn fleet_query(
+    spec: &MetricsSpec,
+    namespace: &str,
+    fleet: &str,
+    policy: &[(String, String)],
+) -> Result<FleetQuery, MetricsError> {
+    let up = render_query(&spec.up_query, namespace, fleet, policy)?;
+    let connections = render_query(&spec.connections_query, namespace, fleet, policy)?;
+    let socket_memory = render_query(&spec.socket_memory_query, namespace, fleet, policy)?;
+    let kernel = render_query(super::drift::KERNEL_QUERY, namespace, fleet, policy)?;
+    let text = [
+        (Part::AGE, format!("time() - timestamp({up})")),
+        (Part::CONNECTIONS, connections.clone()),
+        (Part::SOCKET_MEMORY, socket_memory),
+        (Part::KERNEL, kernel),
+    ]
+    .iter()
+    .map(|(part, q)| format!(r#"label_replace({q}, "{PART_LABEL}", "{part}", "", "")"#))
+    .collect::<Vec<_>>()
+    .join(" or ");
+    Ok(FleetQuery {
+        text,
+        up,
+        connections,
+    })
+}
+
+/// Samples as a query returns them: labels and value.
+type Samples = Vec<(HashMap<String, String>, f64)>;
+
+/// One answer split by [`PART_LABEL`].
+#[derive(Default)]
+struct Parts {
+    ages: Samples,
+    connections: Samples,
+    socket_memory: Samples,
+    kernel: Samples,
+}
+
+/// One sync's read of a fleet ([`Reader::read`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reading {
+    /// The fleet's load, or why it cannot be trusted.
+    pub metrics: Result<FleetMetrics, MetricsError>,
+    /// The kernel settings its shards report ([`super::drift::KERNEL_QUERY`]),
+    /// one sample per shard and setting; `None` when nothing was read.
+    pub kernel: Option<Samples>,
+}
+
+impl Reading {
+    fn failed(e: MetricsError) -> Reading {
+        Reading {
+            metrics: Err(e),
+            kernel: None,
+        }
+    }
+}
+
+/// The metrics in `parts`, checked in order: every shard has a scrape age
+/// (else [`MetricsError::Empty`] naming `upQuery`), each believable and
+/// within `staleAfterSeconds`; the connections have series (else `Empty`
+/// naming `connectionsQuery`); then [`validate`] against `expected`.
+fn judge(
+    query: &FleetQuery,
+    parts: &Parts,
+    spec: &MetricsSpec,
+    expected: &Expected,
+) -> Result<FleetMetrics, MetricsError> {
+    let ages = &parts.ages;
+    if ages.is_empty() {
+        return Err(MetricsError::Empty(query.up.clone()));
+    }
+    // A NaN age is no age: never "fresh" (f64::max would skip it).
+    let doubts: Vec<Doubt> = ages
+        .iter()
+        .filter(|(_, a)| !a.is_finite() || *a < 0.0)
+        .map(|(labels, a)| {
+            let series = format!(
+                "the scrape age of {}",
+                labels.get("pod").map_or("a shard", String::as_str)
+            );
+            let value = show(*a);
+            if a.is_finite() {
+                Doubt::Negative { series, value }
+            } else {
+                Doubt::NonFinite { series, value }
+            }
+        })
+        .collect();
+    if !doubts.is_empty() {
+        return Err(MetricsError::Doubtful(doubts));
+    }
+    let age = ages.iter().map(|(_, a)| *a).fold(0.0, f64::max);
+    if age > spec.stale_after_seconds as f64 {
+        return Err(MetricsError::Stale {
+            age,
+            limit: spec.stale_after_seconds,
+        });
+    }
+    if parts.connections.is_empty() {
+        return Err(MetricsError::Empty(query.connections.clone()));
+    }
+    let mem: Vec<f64> = parts.socket_memory.iter().map(|(_, v)| *v).collect();
+    validate(&parts.connections, &mem, expected)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one query of a sync holds each part confined on its own, told
+    /// apart by the part label; every selector in it carries the fleet's
+    /// and the policy's matchers.
+    #[test]
+    fn a_sync_sends_one_query_with_every_part_confined() {
+        let policy = vec![("cluster".to_string(), "eu-1".to_string())];
+        let q = fleet_query(&MetricsSpec::default(), "edge", "push", &policy).unwrap();
+        let m = r#"cluster="eu-1",fleet="push",namespace="edge""#;
+        assert_eq!(
+            q.text,
+            format!(
+                r#"label_replace(time() - timestamp(up{{{m}}}), "c10m_read", "age", "", "") or label_replace(sum by (pod) (c10m_connections{{{m}}}), "c10m_read", "connections", "", "") or label_replace(max(c10m_tcp_memory_bytes{{{m}}}), "c10m_read", "socket_memory", "", "") or label_replace(c10m_fd_limit{{{m}}} or c10m_kernel_sysctl{{{m}}}, "c10m_read", "kernel", "", "")"#
+            )
+        );
+        assert_eq!(q.up, format!("up{{{m}}}"));
+        // Confining the whole query again changes nothing: it already was.
+        let enforced = [
+            ("namespace", "edge"),
+            ("fleet", "push"),
+            ("cluster", "eu-1"),
+        ];
+        let again = crate::promql::confine(&q.text, &enforced).unwrap();
+        assert_eq!(
+            promql_parser::parser::parse(&again).unwrap(),
+            promql_parser::parser::parse(&q.text).unwrap()
+        );
+        // A query that cannot be confined refuses the read, naming it.
+        let spec = MetricsSpec {
+            socket_memory_query: r#"max(x{namespace="other"})"#.into(),
+            ..MetricsSpec::default()
+        };
+        let err = fleet_query(&spec, "edge", "push", &[]).unwrap_err();
+        assert!(
+            matches!(&err, MetricsError::Refused(m) if m.starts_with(r#"max(x{namespace="other"})"#)),
+            "{err:?}"
+        );
+    }
 
     #[test]
     fn templates_name_the_fleet() {
@@ -485,15 +629,16 @@ mod tests {
             node_memory_bytes: 1,
         };
         let spec = MetricsSpec::default();
-        let err = reader.read(&spec, "edge", "push", &expected).await;
+        let read = reader.read(&spec, "edge", "push", &expected).await;
         assert_eq!(
-            err.unwrap_err(),
+            read.metrics.unwrap_err(),
             MetricsError::Empty(r#"up{cluster="eu-1",fleet="push",namespace="edge"}"#.into())
         );
+        assert_eq!(read.kernel, Some(vec![]), "the query was answered");
         // Another namespace: not confined by that entry.
-        let err = reader.read(&spec, "other", "push", &expected).await;
+        let read = reader.read(&spec, "other", "push", &expected).await;
         assert_eq!(
-            err.unwrap_err(),
+            read.metrics.unwrap_err(),
             MetricsError::Empty(r#"up{fleet="push",namespace="other"}"#.into())
         );
     }
@@ -507,11 +652,14 @@ mod tests {
             .unwrap()
             .port();
         let r = Reader::new(&format!("http://127.0.0.1:{port}")).unwrap();
-        let err = r
+        let read = r
             .read(&MetricsSpec::default(), "ns", "f", &Expected::default())
-            .await
-            .unwrap_err();
-        assert!(matches!(err, MetricsError::Unreachable(_)), "{err:?}");
+            .await;
+        assert!(
+            matches!(read.metrics, Err(MetricsError::Unreachable(_))),
+            "{read:?}"
+        );
+        assert_eq!(read.kernel, None);
     }
 
     fn expected(pods: &[&str]) -> Expected {

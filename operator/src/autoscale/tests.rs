@@ -13,13 +13,16 @@
 //! rebalancing on, so that a trusted read of these loads would scale in and
 //! shed.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::decide::{DecideInput, Decision, Memory, decide};
 use super::observe::{Observation, ShardPod};
-use super::prometheus::{Expected, Reader};
+use super::prometheus::{Expected, PART_LABEL, Reader};
 use crate::api::{AutoscalingSpec, MetricsSpec, RebalanceSpec};
 use crate::reason::Reason;
 
@@ -29,7 +32,7 @@ fn sample(pod: &str, value: &str) -> Value {
     json!({"metric": {"__name__": "x", "pod": pod}, "value": [1_700_000_000.0, value]})
 }
 
-/// Canned answers, by query.
+/// Canned answers to the one query of a sync, by part.
 #[derive(Clone)]
 struct Answers {
     /// `time() - timestamp(up…)`: scrape ages.
@@ -53,30 +56,44 @@ impl Answers {
         }
     }
 
-    /// The answer to a request line (`GET /api/v1/query?query=… HTTP/1.1`).
+    /// The answer to a request line (`GET /api/v1/query?query=… HTTP/1.1`):
+    /// the series of each part the query asks for, labelled with the part
+    /// as its `label_replace` would (the default queries, URL-encoded;
+    /// their metric names need no escaping). No kernel settings: the drift
+    /// judgement has tests of its own.
     fn answer(&self, request_line: &str) -> Value {
-        // The default queries, URL-encoded; their metric names need no escaping.
-        let result = if request_line.contains("timestamp") {
-            &self.ages
-        } else if request_line.contains("c10m_connections") {
-            &self.connections
-        } else if request_line.contains("c10m_tcp_memory_bytes") {
-            &self.socket_memory
-        } else {
+        let mut result = Vec::new();
+        for (asked, part, series) in [
+            ("timestamp", "age", &self.ages),
+            ("c10m_connections", "connections", &self.connections),
+            (
+                "c10m_tcp_memory_bytes",
+                "socket_memory",
+                &self.socket_memory,
+            ),
+        ] {
+            if request_line.contains(asked) {
+                result.extend(series.iter().cloned().map(|mut s| {
+                    s["metric"][PART_LABEL] = json!(part);
+                    s
+                }));
+            }
+        }
+        if result.is_empty() {
             return json!({"status": "error", "errorType": "bad_data", "error": "unknown query"});
-        };
+        }
         json!({"status": "success", "data": {"resultType": "vector", "result": result}})
     }
 }
 
 /// Serves `answers` on 127.0.0.1 (one request per connection) until the
-/// test ends; the URL to give the reader.
-async fn fake_prometheus(answers: Answers) -> String {
+/// test ends, counting the requests into `asked`; the URL to give the reader.
+async fn fake_prometheus(answers: Answers, asked: Arc<AtomicUsize>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
-            let answers = answers.clone();
+            let (answers, asked) = (answers.clone(), asked.clone());
             tokio::spawn(async move {
                 let mut head = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -86,6 +103,7 @@ async fn fake_prometheus(answers: Answers) -> String {
                         Ok(n) => head.extend_from_slice(&buf[..n]),
                     }
                 }
+                asked.fetch_add(1, Ordering::SeqCst);
                 let head = String::from_utf8_lossy(&head);
                 let body = answers
                     .answer(head.lines().next().unwrap_or_default())
@@ -118,9 +136,11 @@ fn pods(unready: &[&str]) -> Vec<ShardPod> {
 }
 
 /// What the fleet decides after the real reader read `answers` from a fake
-/// Prometheus, with `pods` observed.
+/// Prometheus, with `pods` observed. The read is one query (issue 23: one
+/// request per fleet and sync).
 async fn sync(answers: Answers, pods: Vec<ShardPod>) -> (Observation, Decision) {
-    let reader = Reader::new(&fake_prometheus(answers).await).unwrap();
+    let asked = Arc::new(AtomicUsize::new(0));
+    let reader = Reader::new(&fake_prometheus(answers, asked.clone()).await).unwrap();
     let mut seen = Observation {
         pods,
         metrics: None,
@@ -131,11 +151,12 @@ async fn sync(answers: Answers, pods: Vec<ShardPod>) -> (Observation, Decision) 
         shard_capacity: 500_000,
         node_memory_bytes: 64 << 30,
     };
-    seen.metrics = Some(
-        reader
-            .read(&MetricsSpec::default(), "ns", "f", &expected)
-            .await,
-    );
+    let read = reader
+        .read(&MetricsSpec::default(), "ns", "f", &expected)
+        .await;
+    assert_eq!(asked.load(Ordering::SeqCst), 1, "one query a sync");
+    assert_eq!(read.kernel, Some(vec![]), "the query was answered");
+    seen.metrics = Some(read.metrics);
     let autoscaling: AutoscalingSpec = serde_json::from_value(json!({
         "enabled": true,
         "targetUtilizationPercent": 80,

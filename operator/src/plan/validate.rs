@@ -191,6 +191,15 @@ mod tests {
         assert!(err.starts_with("spec.metrics.connectionsQuery: "), "{err}");
         spec.metrics.connections_query = "sum(".into();
         assert!(queries(&spec, "team-a", "edge", &[]).is_err());
+        // A range vector has no one value per shard: refused before any read.
+        spec.metrics.connections_query = "c10m_connections[5m]".into();
+        let err = queries(&spec, "team-a", "edge", &[])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "spec.metrics.connectionsQuery: the query's answer is a range vector; an instant vector or a scalar is read"
+        );
     }
 
     #[test]
