@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -27,7 +27,7 @@ use crate::autoscale;
 use crate::names::{FIELD_MANAGER, MANAGED_BY_SELECTOR, SCHEMA_REVISION_ANNOTATION};
 use crate::policy::Policy;
 use crate::reason::{EventAction, Reason};
-use crate::reconcile::cache::Cache;
+use crate::reconcile::cache::{Cache, Stored, stored_event};
 use crate::reconcile::{Context, error_policy, reconcile};
 
 /// Reconciles run at once, at most: at a start or a leader's takeover every
@@ -86,6 +86,30 @@ fn stored<K: Kept>(
     writer: reflector::store::Writer<K>,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
     keep(watcher(api, wc), lean, writer)
+}
+
+/// The operator's own objects of kind `K` (labelled as managed by it) as
+/// they change, each made [`lean`] and kept in `writer`'s store as compact
+/// JSON ([`keep_compact`]).
+fn owned<K: Kept + serde::Serialize>(
+    api: Api<K>,
+    writer: reflector::store::Writer<Stored<K>>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
+    let wc = watcher::Config::default().labels(MANAGED_BY_SELECTOR);
+    keep_compact(watcher(api, wc), writer)
+}
+
+/// [`keep`] for an owned-object store: each object made [`lean`] and kept
+/// as its [`Stored`] form (compact JSON) before it is passed on; the
+/// object passed on only triggers its fleet's reconcile.
+pub fn keep_compact<K: Kept + serde::Serialize>(
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    mut writer: reflector::store::Writer<Stored<K>>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
+    events
+        .modify(lean)
+        .inspect_ok(move |event| writer.apply_watcher_event(&stored_event(event)))
+        .applied_objects()
 }
 
 /// The objects of the watch `events`, each made `lean` and kept in
@@ -440,7 +464,6 @@ pub async fn run_controller(
     );
     // The watches feed the stores a reconcile reads (reconcile::cache) and
     // trigger the reconciles.
-    let owned = watcher::Config::default().labels(MANAGED_BY_SELECTOR);
     let (fleet_store, fleet_writer) = reflector::store();
     let (deployments, deployment_writer) = reflector::store();
     let (services, service_writer) = reflector::store();
@@ -476,9 +499,9 @@ pub async fn run_controller(
     let fleet_events = stored(fleets, watcher::Config::default(), lean, fleet_writer);
     let controller = Controller::for_stream(fleet_events, fleet_store)
         .with_config(controller::Config::default().concurrency(CONCURRENCY))
-        .owns_stream(stored(deps, owned.clone(), lean, deployment_writer))
-        .owns_stream(stored(svcs, owned.clone(), lean, service_writer))
-        .owns_stream(stored(pdbs, owned, lean, pdb_writer));
+        .owns_stream(owned(deps, deployment_writer))
+        .owns_stream(owned(svcs, service_writer))
+        .owns_stream(owned(pdbs, pdb_writer));
     // Node profiles come from nodes' labels and allocatable: re-plan every
     // fleet when those change (not on the frequent node status heartbeats).
     let store = controller.store();

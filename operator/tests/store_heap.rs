@@ -2,13 +2,14 @@
 //! 3): a memory gate that needs no cluster, in the style of
 //! `kube-runtime/benches/memory.rs` (dhat counting every allocation).
 //!
-//! It feeds the operator's own store path ([`keep`]: made lean, then kept
-//! in a reflector store) a watch's initial list of 1,000 ConnectionFleets
-//! with a plan in their status, and of the 3,000 objects they own (a
-//! Deployment, a Service and a PodDisruptionBudget each, as
-//! [`render::render`] makes them, with the `status` and `managedFields` an
-//! API server adds). The same objects are kept a second time without
-//! [`lean`], side by side, for the ratio. It prints one JSON line and
+//! It feeds the operator's own store paths (made lean, then kept in a
+//! reflector store: [`keep`] for the fleets, [`keep_compact`] for what they
+//! own) a watch's initial list of 1,000 ConnectionFleets with a plan in
+//! their status, and of the 3,000 objects they own (a Deployment, a
+//! Service and a PodDisruptionBudget each, as [`render::render`] makes
+//! them, with the `status` and `managedFields` an API server adds). The
+//! same objects are kept again as typed objects (lean, then without
+//! [`lean`]), side by side, for the ratios. It prints one JSON line and
 //! asserts a bound on the peak heap bytes (a bound on bytes, not on time).
 //!
 //! One test in this binary: the global allocator counts for the whole
@@ -17,9 +18,10 @@
 use std::collections::BTreeMap;
 
 use c10m_operator::api::ConnectionFleet;
-use c10m_operator::controller::{Kept, keep, lean};
+use c10m_operator::controller::{Kept, keep, keep_compact, lean};
 use c10m_operator::plan::{self, NodeFacts, NodeRuntime};
 use c10m_operator::policy::Policy;
+use c10m_operator::reconcile::cache::Stored;
 use c10m_operator::render;
 use futures::{StreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -38,14 +40,15 @@ static ALLOC: dhat::Alloc = dhat::Alloc;
 
 const FLEETS: usize = 1_000;
 
-/// Peak heap bytes allowed while the stores fill, lean, with the input
-/// made one object at a time. Measured 2026-12-03 (this test, x86_64,
-/// debug and release alike): 32,473,205 B peak, of which the Deployments
-/// take 24.6 MB (24.6 kB each in memory for 4.4 kB of JSON); the bound
-/// leaves 29 % over it, so a change that keeps more of each object
-/// (managedFields: 102.8 MB; a node's images; a second copy) fails here,
-/// not in a cluster.
-const PEAK_HEAP_BOUND_BYTES: usize = 40 << 20;
+/// Peak heap bytes allowed while the stores fill as the controller fills
+/// them, with the input made one object at a time. Measured 2026-12-03
+/// (this test, x86_64): 10,469,985 B peak with the owned objects kept as
+/// compact JSON (the Deployments 4.9 MB, 4.4 kB of JSON each), against
+/// 32,460,612 B kept as typed objects (the Deployments 24.6 MB, 24.6 kB
+/// each); the bound leaves 30 % over it, so a change that keeps more of
+/// each object (typed objects again; managedFields: 102.8 MB; a second
+/// copy) fails here, not in a cluster.
+const PEAK_HEAP_BOUND_BYTES: usize = 13 << 20;
 
 /// The node the plans are made for (64 CPUs, 256 GiB), as in the render
 /// tests.
@@ -154,70 +157,107 @@ fn owned(i: usize) -> render::Rendered {
     r
 }
 
-/// Keeps what `objects` makes (one at a time) through [`keep`], as a
-/// watch's initial list, made lean with `lean`; returns the store.
-fn fill<K: Kept>(objects: impl Iterator<Item = K> + Send + 'static, lean: fn(&mut K)) -> Store<K> {
-    let (store, writer) = reflector::store();
-    let events = stream::iter(
+/// `objects` (made one at a time) as a watch's initial list.
+fn initial_list<K: Send + 'static>(
+    objects: impl Iterator<Item = K> + Send + 'static,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static {
+    stream::iter(
         std::iter::once(watcher::Event::Init)
             .chain(objects.map(watcher::Event::InitApply))
             .chain(std::iter::once(watcher::Event::InitDone))
             .map(Ok),
-    );
-    futures::executor::block_on(keep(events, lean, writer).for_each(|_| async {}));
+    )
+}
+
+/// Keeps `objects` through [`keep`] (typed), made lean with `lean`; the store.
+fn fill<K: Kept>(objects: impl Iterator<Item = K> + Send + 'static, lean: fn(&mut K)) -> Store<K> {
+    let (store, writer) = reflector::store();
+    futures::executor::block_on(keep(initial_list(objects), lean, writer).for_each(|_| async {}));
     store
 }
 
-/// The four stores at 1,000 fleets, and the heap bytes each took.
-struct Stores {
-    fleets: Store<ConnectionFleet>,
-    deployments: Store<Deployment>,
-    services: Store<Service>,
-    pdbs: Store<PodDisruptionBudget>,
-    bytes: BTreeMap<&'static str, usize>,
+/// Keeps `objects` through [`keep_compact`], as the controller keeps the
+/// objects it owns; the store.
+fn fill_compact<K: Kept + Serialize>(
+    objects: impl Iterator<Item = K> + Send + 'static,
+) -> Store<Stored<K>> {
+    let (store, writer) = reflector::store();
+    futures::executor::block_on(keep_compact(initial_list(objects), writer).for_each(|_| async {}));
+    store
 }
 
-/// The stores filled as the controller fills them, each kind through its
-/// lean step (`lean` for all: the controller's; `none` to keep all).
-fn stores(lean_objects: bool) -> Stores {
+/// How the owned objects are kept.
+#[derive(Clone, Copy, PartialEq)]
+enum Keeping {
+    /// As the controller keeps them: lean, compact JSON.
+    Controller,
+    /// Typed k8s-openapi objects, lean (the controller before compact JSON).
+    Typed,
+    /// Typed, with their managedFields.
+    TypedFull,
+}
+
+/// The four stores at 1,000 fleets: the objects each holds, and the heap
+/// bytes each took. The stores live as long as this does.
+struct Stores {
+    counts: BTreeMap<&'static str, usize>,
+    bytes: BTreeMap<&'static str, usize>,
+    _kept: Vec<Box<dyn std::any::Any>>,
+}
+
+/// The stores filled `how`; the fleets always typed (the controller's
+/// fleet store), lean unless [`Keeping::TypedFull`].
+fn stores(how: Keeping) -> Stores {
     fn none<K>(_: &mut K) {}
-    fn pick<K: Resource>(lean_objects: bool) -> fn(&mut K) {
-        if lean_objects { lean::<K> } else { none::<K> }
-    }
-    let mut bytes = BTreeMap::new();
+    let pick = |full: bool| {
+        if full {
+            none::<ConnectionFleet>
+        } else {
+            lean::<ConnectionFleet>
+        }
+    };
+    let mut s = Stores {
+        counts: BTreeMap::new(),
+        bytes: BTreeMap::new(),
+        _kept: Vec::new(),
+    };
     let mut at = dhat::HeapStats::get().curr_bytes;
-    let mut took = |kind| {
+    let mut took = |s: &mut Stores, kind, count, kept: Box<dyn std::any::Any>| {
         let now = dhat::HeapStats::get().curr_bytes;
-        bytes.insert(kind, now - at);
+        s.bytes.insert(kind, now - at);
+        s.counts.insert(kind, count);
+        s._kept.push(kept);
         at = now;
     };
     let fleets = fill(
         (0..FLEETS).map(|i| as_watched(fleet(i), i)),
-        pick(lean_objects),
+        pick(how == Keeping::TypedFull),
     );
-    took("fleets");
-    let deployments = fill(
-        (0..FLEETS).map(|i| as_watched(owned(i).deployment, i)),
-        pick(lean_objects),
-    );
-    took("deployments");
-    let services = fill(
-        (0..FLEETS).map(|i| as_watched(owned(i).service, i)),
-        pick(lean_objects),
-    );
-    took("services");
-    let pdbs = fill(
-        (0..FLEETS).map(|i| as_watched(owned(i).pdb, i)),
-        pick(lean_objects),
-    );
-    took("pdbs");
-    Stores {
-        fleets,
-        deployments,
-        services,
-        pdbs,
-        bytes,
+    took(&mut s, "fleets", fleets.state().len(), Box::new(fleets));
+    macro_rules! owned_store {
+        ($kind:literal, $field:ident, $ty:ty) => {{
+            let objects = (0..FLEETS).map(|i| as_watched(owned(i).$field, i));
+            match how {
+                Keeping::Controller => {
+                    let st = fill_compact(objects);
+                    took(&mut s, $kind, st.state().len(), Box::new(st));
+                }
+                Keeping::Typed | Keeping::TypedFull => {
+                    let lean: fn(&mut $ty) = if how == Keeping::Typed {
+                        lean::<$ty>
+                    } else {
+                        none::<$ty>
+                    };
+                    let st = fill(objects, lean);
+                    took(&mut s, $kind, st.state().len(), Box::new(st));
+                }
+            }
+        }};
     }
+    owned_store!("deployments", deployment, Deployment);
+    owned_store!("services", service, Service);
+    owned_store!("pdbs", pdb, PodDisruptionBudget);
+    s
 }
 
 /// Bytes of `o`'s JSON as a watch would send it, made lean.
@@ -234,21 +274,31 @@ fn the_stores_of_1000_fleets_stay_within_their_heap_bound() {
         .trim_backtraces(Some(1))
         .build();
     let before = dhat::HeapStats::get().curr_bytes;
-    let lean_stores = stores(true);
-    let after_lean = dhat::HeapStats::get();
-    let peak = after_lean.max_bytes;
-    let lean_bytes = after_lean.curr_bytes - before;
-    let counts: BTreeMap<&str, usize> = BTreeMap::from([
-        ("fleets", lean_stores.fleets.state().len()),
-        ("deployments", lean_stores.deployments.state().len()),
-        ("services", lean_stores.services.state().len()),
-        ("pdbs", lean_stores.pdbs.state().len()),
-    ]);
-    assert!(counts.values().all(|n| *n == FLEETS), "{counts:?}");
-    let kept = dhat::HeapStats::get().curr_bytes;
-    let full_stores = stores(false);
-    let full_bytes = dhat::HeapStats::get().curr_bytes - kept;
-    assert_eq!(full_stores.deployments.state().len(), FLEETS);
+    let kept = stores(Keeping::Controller);
+    let after = dhat::HeapStats::get();
+    let peak = after.max_bytes;
+    let kept_bytes = after.curr_bytes - before;
+    assert!(
+        kept.counts.values().all(|n| *n == FLEETS),
+        "{:?}",
+        kept.counts
+    );
+    // The same objects kept the ways the controller kept them before, for
+    // the ratios.
+    let mark = dhat::HeapStats::get().curr_bytes;
+    let typed = stores(Keeping::Typed);
+    let typed_bytes = dhat::HeapStats::get().curr_bytes - mark;
+    let mark = dhat::HeapStats::get().curr_bytes;
+    let full = stores(Keeping::TypedFull);
+    let full_bytes = dhat::HeapStats::get().curr_bytes - mark;
+    assert!(
+        typed
+            .counts
+            .values()
+            .chain(full.counts.values())
+            .all(|n| *n == FLEETS)
+    );
+    let ratio = |a: usize, b: usize| (a as f64 / b as f64 * 1000.0).round() / 1000.0;
     println!(
         "{}",
         json!({
@@ -256,21 +306,25 @@ fn the_stores_of_1000_fleets_stay_within_their_heap_bound() {
             "ownedObjects": 3 * FLEETS,
             "peakHeapBytes": peak,
             "peakHeapBoundBytes": PEAK_HEAP_BOUND_BYTES,
-            "storedLeanBytes": lean_bytes,
-            "storedLeanBytesByKind": lean_stores.bytes,
+            "storedBytes": kept_bytes,
+            "storedBytesByKind": kept.bytes,
             "leanJsonBytesOfFleet3": {
                 "fleet": json_len(fleet(3)),
                 "deployment": json_len(owned(3).deployment),
                 "service": json_len(owned(3).service),
                 "pdb": json_len(owned(3).pdb),
             },
-            "storedWithManagedFieldsBytesByKind": full_stores.bytes,
-            "storedWithManagedFieldsBytes": full_bytes,
-            "leanOverFullRatio": (lean_bytes as f64 / full_bytes as f64 * 1000.0).round() / 1000.0,
+            "storedTypedBytesByKind": typed.bytes,
+            "storedTypedBytes": typed_bytes,
+            "storedTypedWithManagedFieldsBytes": full_bytes,
+            "compactOverTypedRatio": ratio(kept_bytes, typed_bytes),
+            "leanOverFullRatio": ratio(typed_bytes, full_bytes),
         })
     );
-    // Without the lean step the stores are bigger: the managedFields go.
-    assert!(lean_bytes < full_bytes, "{lean_bytes} ≥ {full_bytes}");
+    // Each step the controller takes keeps less: compact JSON under typed
+    // objects, lean under managedFields.
+    assert!(kept_bytes < typed_bytes, "{kept_bytes} ≥ {typed_bytes}");
+    assert!(typed_bytes < full_bytes, "{typed_bytes} ≥ {full_bytes}");
     assert!(
         peak <= PEAK_HEAP_BOUND_BYTES,
         "peak heap {peak} B over the bound {PEAK_HEAP_BOUND_BYTES} B"

@@ -60,7 +60,7 @@ pub async fn objects(
 async fn ensure<K>(
     client: &Client,
     ns: &str,
-    store: Option<&Store<K>>,
+    store: Option<&Store<cache::Stored<K>>>,
     want: &K,
 ) -> Result<K, Error>
 where

@@ -10,22 +10,27 @@
 //! nodes its selector matches), and the Deployments, Services and
 //! PodDisruptionBudgets labelled as managed by the operator, each kept
 //! without `managedFields` (and nodes without their image lists), which are
-//! most of an object's bytes and are read by no reconcile.
+//! most of an object's bytes and are read by no reconcile. The owned
+//! objects are kept as compact JSON ([`Stored`]), parsed when read.
 //!
 //! A store lags the API by a watch event: an object the cache has not seen
 //! yet is read or applied through the API as before, and an object changed
 //! behind the operator's back triggers a reconcile that finds the change in
 //! the store. [`difference`] decides what "would change nothing" means.
 
-use std::sync::Arc;
+use std::borrow::Cow;
+use std::marker::PhantomData;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -40,11 +45,11 @@ pub struct Cache {
     /// Every node (without managedFields and `status.images`).
     pub nodes: Store<Node>,
     /// The operator's Deployments (without managedFields).
-    pub deployments: Store<Deployment>,
+    pub deployments: Store<Stored<Deployment>>,
     /// The operator's Services (without managedFields).
-    pub services: Store<Service>,
+    pub services: Store<Stored<Service>>,
     /// The operator's PodDisruptionBudgets (without managedFields).
-    pub pdbs: Store<PodDisruptionBudget>,
+    pub pdbs: Store<Stored<PodDisruptionBudget>>,
     /// Cancelled when the controller stops (SIGTERM/SIGINT). The stores are
     /// fed by the controller's trigger streams, which a stopping controller
     /// no longer polls: a reconcile still waiting for their first lists
@@ -70,28 +75,126 @@ impl Cache {
     }
 }
 
+/// An object as an owned-object store keeps it: the metadata the store
+/// is keyed by (name, namespace, uid, resourceVersion) and the whole object
+/// as compact JSON, parsed when a reconcile reads it. k8s-openapi's typed
+/// objects are several times their JSON in memory: a rendered Deployment
+/// took 24.6 kB as a `Deployment` for 4.4 kB of JSON
+/// (`tests/store_heap.rs`, 2026-12-03), three quarters of the stores' heap
+/// at 1,000 fleets.
+pub struct Stored<K> {
+    metadata: ObjectMeta,
+    json: Box<str>,
+    kind: PhantomData<fn() -> K>,
+}
+
+// By hand: derived, they would ask `K: Clone` / `K: Debug` of a marker.
+impl<K> Clone for Stored<K> {
+    fn clone(&self) -> Self {
+        Stored {
+            metadata: self.metadata.clone(),
+            json: self.json.clone(),
+            kind: PhantomData,
+        }
+    }
+}
+
+impl<K> std::fmt::Debug for Stored<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stored")
+            .field("metadata", &self.metadata)
+            .field("json_bytes", &self.json.len())
+            .finish()
+    }
+}
+
+impl<K: Resource + Serialize> Stored<K> {
+    /// `o` as a store keeps it.
+    pub fn new(o: &K) -> Stored<K> {
+        let m = o.meta();
+        Stored {
+            metadata: ObjectMeta {
+                name: m.name.clone(),
+                namespace: m.namespace.clone(),
+                uid: m.uid.clone(),
+                resource_version: m.resource_version.clone(),
+                ..ObjectMeta::default()
+            },
+            // Serializing a k8s-openapi object into a String cannot fail.
+            json: serde_json::to_string(o).unwrap_or_default().into(),
+            kind: PhantomData,
+        }
+    }
+
+    /// The object as JSON.
+    pub fn value(&self) -> Option<Value> {
+        serde_json::from_str(&self.json).ok()
+    }
+
+    /// The object (`None` only if the JSON does not read as `K`).
+    pub fn object(&self) -> Option<K>
+    where
+        K: DeserializeOwned,
+    {
+        serde_json::from_str(&self.json).ok()
+    }
+}
+
+impl<K: Resource<DynamicType = ()>> Resource for Stored<K> {
+    type DynamicType = ();
+    type Scope = K::Scope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        K::kind(dt)
+    }
+    fn group(dt: &()) -> Cow<'_, str> {
+        K::group(dt)
+    }
+    fn version(dt: &()) -> Cow<'_, str> {
+        K::version(dt)
+    }
+    fn plural(dt: &()) -> Cow<'_, str> {
+        K::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// A watch event of `K` as its [`Stored`] form, for a store's writer.
+pub fn stored_event<K: Resource + Serialize>(e: &watcher::Event<K>) -> watcher::Event<Stored<K>> {
+    use watcher::Event;
+    match e {
+        Event::Apply(o) => Event::Apply(Stored::new(o)),
+        Event::Delete(o) => Event::Delete(Stored::new(o)),
+        Event::Init => Event::Init,
+        Event::InitApply(o) => Event::InitApply(Stored::new(o)),
+        Event::InitDone => Event::InitDone,
+    }
+}
+
 /// The object `ns`/`name` in `store`, if the watch has seen it.
-pub fn get<K>(store: &Store<K>, ns: &str, name: &str) -> Option<Arc<K>>
+pub fn get<K>(store: &Store<Stored<K>>, ns: &str, name: &str) -> Option<K>
 where
-    K: Resource<DynamicType = ()> + Clone + 'static,
+    K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + 'static,
 {
-    store.get(&ObjectRef::new(name).within(ns))
+    store.get(&ObjectRef::new(name).within(ns))?.object()
 }
 
 /// The stored object when it already holds everything `want` sets
 /// ([`difference`] finds nothing): applying `want` would change nothing.
-pub fn unchanged<K>(store: &Store<K>, ns: &str, want: &K) -> Option<K>
+pub fn unchanged<K>(store: &Store<Stored<K>>, ns: &str, want: &K) -> Option<K>
 where
-    K: Resource<DynamicType = ()> + Clone + Serialize + 'static,
+    K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + 'static,
 {
     let name = want.meta().name.as_deref()?;
-    let live = get(store, ns, name)?;
-    let (l, w) = (
-        serde_json::to_value(&*live).ok()?,
-        serde_json::to_value(want).ok()?,
-    );
-    match difference(&l, &w, "") {
-        None => Some((*live).clone()),
+    let live = store.get(&ObjectRef::new(name).within(ns))?.value()?;
+    let want_value = serde_json::to_value(want).ok()?;
+    match difference(&live, &want_value, "") {
+        None => serde_json::from_value(live).ok(),
         Some(path) => {
             tracing::debug!(kind = %K::kind(&()), %name, %path, "stored object differs: apply");
             None
@@ -157,9 +260,9 @@ mod tests {
         Cache,
         (
             Writer<Node>,
-            Writer<Deployment>,
-            Writer<Service>,
-            Writer<PodDisruptionBudget>,
+            Writer<Stored<Deployment>>,
+            Writer<Stored<Service>>,
+            Writer<Stored<PodDisruptionBudget>>,
         ),
     ) {
         let (nodes, n) = reflector::store();

@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Error;
@@ -93,17 +94,22 @@ pub async fn foreign_object(
 ) -> Result<Option<String>, Error> {
     async fn check<K>(
         api: Api<K>,
-        store: Option<&kube::runtime::reflector::Store<K>>,
+        store: Option<&kube::runtime::reflector::Store<cache::Stored<K>>>,
         name: &str,
         uid: &str,
     ) -> Result<Option<String>, Error>
     where
-        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + 'static,
+        K: Resource<DynamicType = ()>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + std::fmt::Debug
+            + 'static,
     {
         let kind = K::kind(&());
         let cached = store.and_then(|s| cache::get(s, api.namespace().unwrap_or_default(), name));
         let obj = match cached {
-            Some(o) => Some((*o).clone()),
+            Some(o) => Some(o),
             None => api
                 .get_opt(name)
                 .await
@@ -163,7 +169,7 @@ pub async fn current_replicas(
 ) -> Result<Option<i32>, Error> {
     let cached = cache.and_then(|c| cache::get(&c.deployments, ns, name));
     let deployment = match cached {
-        Some(d) => Some((*d).clone()),
+        Some(d) => Some(d),
         None => Api::<Deployment>::namespaced(client.clone(), ns)
             .get_opt(name)
             .await
