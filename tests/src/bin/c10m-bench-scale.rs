@@ -23,15 +23,22 @@
 //! 4. **Re-plan**: `spec.connections` ×8 on `--replan` fleets at once;
 //!    p99 to their Deployments' new `metadata.generation` on the watch, and
 //!    watch events on the other fleets and their Deployments meanwhile.
-//! 5. **Burst**: delete every fleet, then one `kubectl apply` of all of
+//! 5. **Metrics loop** (`--metrics-sync-seconds`): autoscaling turned on for
+//!    every fleet, against a loopback stub of Prometheus's query API
+//!    ([`stub_prometheus`]: no Prometheus runs on the scale plane; it
+//!    answers every query with an empty vector, so every fleet holds its
+//!    shards and reports its metrics missing); after one sync period, the
+//!    queries the stub answered over three sync periods, per reconcile
+//!    (`prometheusQueriesPerSync`, each reconcile of such a fleet being one
+//!    sync) and per fleet and sync period.
+//! 6. **Burst**: delete every fleet, then one `kubectl apply` of all of
 //!    them; seconds until every Deployment is seen.
 //!
 //! The run stops early (and still writes what it measured, with
 //! `"aborted"` saying why) when the machine's MemAvailable falls below
 //! `--min-available-mib`, the operator's RSS passes `--max-rss-mib`, or the
 //! run passes `--timeout-seconds`. It always stops the operator and deletes
-//! its namespaces. The fleets enable no autoscaling (no Prometheus runs on
-//! the scale plane): `prometheusQueriesPerSync` is null.
+//! its namespaces.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -69,6 +76,9 @@ struct Args {
     /// Fleets re-planned at once.
     #[arg(long, default_value_t = 100)]
     replan: usize,
+    /// `spec.autoscaling.syncPeriodSeconds` of the metrics-loop phase.
+    #[arg(long, default_value_t = 20)]
+    metrics_sync_seconds: u64,
     /// The whole run's bound, seconds.
     #[arg(long, default_value_t = 840)]
     timeout_seconds: u64,
@@ -484,8 +494,9 @@ fn cpu_seconds(pid: u32) -> f64 {
     c10m_e2e::cpu_time(pid).as_secs_f64()
 }
 
-/// One operator process for all namespaces, logging to `log` (appended).
-fn start_operator(a: &Args) -> Result<Child> {
+/// One operator process for all namespaces, logging to `log` (appended),
+/// reading its metrics from the stub at `prometheus`.
+fn start_operator(a: &Args, prometheus: &str) -> Result<Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -496,6 +507,8 @@ fn start_operator(a: &Args) -> Result<Child> {
             "run",
             "--metrics-addr",
             &format!("127.0.0.1:{}", a.metrics_port),
+            "--prometheus-url",
+            prometheus,
         ])
         .env("RUST_LOG", "info,kube=warn")
         .stdin(Stdio::null())
@@ -549,6 +562,7 @@ struct Run<'a> {
     book: Book,
     guard: Arc<Guard>,
     operator: Option<Child>,
+    prometheus: Stub,
 }
 
 impl Run<'_> {
@@ -561,7 +575,7 @@ impl Run<'_> {
     }
 
     fn spawn_operator(&mut self) -> Result<()> {
-        let child = start_operator(self.a)?;
+        let child = start_operator(self.a, &self.prometheus.url)?;
         *self.guard.operator_pid.lock().unwrap() = Some(child.id());
         self.operator = Some(child);
         Ok(())
@@ -828,12 +842,20 @@ impl Run<'_> {
         let file = a.out.with_file_name("scale-burst.json");
         std::fs::write(&file, list.to_string())?;
         let start = Instant::now();
-        let status = Command::new("kubectl")
+        // Waited for beside the guard: past a bound, the apply is killed.
+        let mut apply = tokio::process::Command::new("kubectl")
             .args(["apply", "-f"])
             .arg(&file)
             .stdout(Stdio::null())
-            .status()
+            .kill_on_drop(true)
+            .spawn()
             .context("kubectl apply")?;
+        let status = loop {
+            tokio::select! {
+                status = apply.wait() => break status.context("kubectl apply")?,
+                () = tokio::time::sleep(Duration::from_millis(500)) => self.guard.check()?,
+            }
+        };
         if !status.success() {
             bail!("kubectl apply -f {} failed: {status}", file.display());
         }
@@ -859,6 +881,73 @@ impl Run<'_> {
         );
         r.set("burstKubectlApplySeconds", json!(round2(applied)));
         waited
+    }
+}
+
+impl Run<'_> {
+    /// Phase 5: autoscaling on for every fleet (merge patches, 50 at a
+    /// time), one sync period to settle, then three sync periods counted.
+    async fn metrics_loop(&mut self, r: &mut Report) -> Result<()> {
+        let a = self.a;
+        let period = a.metrics_sync_seconds.max(1);
+        let patch =
+            json!({"spec": {"autoscaling": {"enabled": true, "syncPeriodSeconds": period}}});
+        let pp = PatchParams::default();
+        let start = Instant::now();
+        for chunk in (0..a.fleets).collect::<Vec<_>>().chunks(50) {
+            self.guard.check()?;
+            let patches = chunk.iter().map(|&i| {
+                let api = self.fleets_in(&namespace(a, i));
+                let (patch, pp) = (&patch, &pp);
+                async move {
+                    api.patch(&format!("f-{i:04}"), pp, &Patch::Merge(patch))
+                        .await
+                }
+            });
+            for p in futures::future::join_all(patches).await {
+                p.context("patch spec.autoscaling")?;
+            }
+        }
+        let patched = start.elapsed().as_secs_f64();
+        let settle = Duration::from_secs(period + 10);
+        let waited = Instant::now();
+        while waited.elapsed() < settle {
+            self.guard.check()?;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let port = a.metrics_port;
+        let queries = || {
+            self.prometheus
+                .queries
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let (q0, rec0) = (queries(), reconciliations(port));
+        let window = Duration::from_secs(3 * period);
+        let counted = Instant::now();
+        while counted.elapsed() < window {
+            self.guard.check()?;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let (asked, reconciles) = (
+            (queries() - q0) as f64,
+            rec0.zip(reconciliations(port)).map(|(b, a)| a - b),
+        );
+        let syncs_due = a.fleets as f64 * window.as_secs_f64() / period as f64;
+        let per_sync = reconciles.filter(|n| *n > 0.0).map(|n| round2(asked / n));
+        r.set("prometheusQueriesPerSync", json!(per_sync));
+        r.set(
+            "metricsLoop",
+            json!({
+                "fleets": a.fleets,
+                "syncPeriodSeconds": period,
+                "patchSeconds": round2(patched),
+                "windowSeconds": window.as_secs(),
+                "queries": asked,
+                "reconciles": reconciles,
+                "queriesPerFleetPerSyncPeriod": round2(asked / syncs_due),
+            }),
+        );
+        Ok(())
     }
 }
 
@@ -899,8 +988,45 @@ async fn run(run: &mut Run<'_>, r: &mut Report) -> Result<()> {
     run.restart(r).await?;
     eprintln!("bench-scale: re-plan ({} fleets)", a.replan);
     run.replan(r).await?;
+    eprintln!(
+        "bench-scale: metrics loop (every fleet, a {} s sync)",
+        a.metrics_sync_seconds
+    );
+    run.metrics_loop(r).await?;
     eprintln!("bench-scale: burst");
     run.burst(r).await
+}
+
+/// A loopback stub of Prometheus's query API, counting what it is asked.
+struct Stub {
+    /// `http://127.0.0.1:PORT`.
+    url: String,
+    /// Queries answered.
+    queries: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Serves `GET /api/v1/query` on 127.0.0.1 (axum) with an empty instant
+/// vector, in Prometheus's response format, counting each request; for the
+/// life of the bench.
+async fn stub_prometheus() -> Result<Stub> {
+    const EMPTY: &str = r#"{"status":"success","data":{"resultType":"vector","result":[]}}"#;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let queries = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = queries.clone();
+    let app = axum::Router::new().route(
+        "/api/v1/query",
+        axum::routing::get(move || {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            async { ([(http::header::CONTENT_TYPE, "application/json")], EMPTY) }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("bench-scale: the Prometheus stub stopped: {e}");
+        }
+    });
+    Ok(Stub { url, queries })
 }
 
 #[tokio::main]
@@ -963,6 +1089,7 @@ async fn main() -> Result<()> {
         book,
         guard: guard.clone(),
         operator: None,
+        prometheus: stub_prometheus().await?,
     };
     let started = Instant::now();
     let outcome = run(&mut state, &mut r).await;
@@ -979,11 +1106,6 @@ async fn main() -> Result<()> {
         .as_object_mut()
         .unwrap()
         .insert("peak".into(), json!(peak));
-    r.set("prometheusQueriesPerSync", Value::Null);
-    r.set(
-        "autoscaling",
-        json!("off: the scale plane runs no Prometheus"),
-    );
     r.set("runSeconds", json!(round2(started.elapsed().as_secs_f64())));
     let aborted = match &outcome {
         Ok(()) => Value::Null,
@@ -1041,6 +1163,14 @@ fn print_table(r: &Value) {
     row(
         "burst: every Deployment s",
         &r["burstAllDeploymentsSeconds"],
+    );
+    row(
+        "Prometheus queries per sync",
+        &r["prometheusQueriesPerSync"],
+    );
+    row(
+        "Prometheus queries per fleet and sync period",
+        &r["metricsLoop"]["queriesPerFleetPerSyncPeriod"],
     );
     row("aborted", &r["aborted"]);
 }
