@@ -24,7 +24,8 @@ use crate::api::Plan;
 use crate::api::sysctl::{Sysctl, SysctlValue};
 use crate::reason::{Announcement, EventAction, Reason};
 
-/// The series a kernel read returns (one query, confined to the fleet).
+/// The kernel settings the shards report: the kernel part of a sync's one
+/// query ([`super::prometheus::fleet_query`]), confined to the fleet.
 pub const KERNEL_QUERY: &str = "c10m_fd_limit or c10m_kernel_sysctl";
 
 /// The setting name of `nofile`.

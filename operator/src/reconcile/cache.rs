@@ -76,8 +76,9 @@ impl Cache {
 }
 
 /// An object as an owned-object store keeps it: the metadata the store
-/// is keyed by (name, namespace, uid, resourceVersion) and the whole object
-/// as compact JSON, parsed when a reconcile reads it. k8s-openapi's typed
+/// is keyed by (name, namespace, uid, resourceVersion) and its owner
+/// references ([`metadata`]: the ownership check reads them unparsed), and
+/// the whole object as compact JSON, parsed when a reconcile reads it. k8s-openapi's typed
 /// objects are several times their JSON in memory: a rendered Deployment
 /// took 24.6 kB as a `Deployment` for 4.4 kB of JSON
 /// (`tests/store_heap.rs`, 2026-12-03), three quarters of the stores' heap
@@ -118,6 +119,7 @@ impl<K: Resource + Serialize> Stored<K> {
                 namespace: m.namespace.clone(),
                 uid: m.uid.clone(),
                 resource_version: m.resource_version.clone(),
+                owner_references: m.owner_references.clone(),
                 ..ObjectMeta::default()
             },
             // Serializing a k8s-openapi object into a String cannot fail.
@@ -182,6 +184,21 @@ where
     K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + 'static,
 {
     store.get(&ObjectRef::new(name).within(ns))?.object()
+}
+
+/// The kept metadata of `ns`/`name` in `store` ([`Stored`]: name,
+/// namespace, uid, resourceVersion, owner references), if the watch has
+/// seen it; the object is not parsed.
+pub fn metadata<K>(store: &Store<Stored<K>>, ns: &str, name: &str) -> Option<ObjectMeta>
+where
+    K: Resource<DynamicType = ()> + 'static,
+{
+    Some(
+        store
+            .get(&ObjectRef::new(name).within(ns))?
+            .metadata
+            .clone(),
+    )
 }
 
 /// The stored object when it already holds everything `want` sets
@@ -314,6 +331,34 @@ mod tests {
         let start = Instant::now();
         assert!(cache.ready().await);
         assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    /// A kept object reads back whole, and its owner references read
+    /// without it.
+    #[test]
+    fn a_stored_object_keeps_its_owner_unparsed_and_reads_back_whole() {
+        let d: Deployment = serde_json::from_value(json!({
+            "metadata": {"name": "edge", "namespace": "team-a", "uid": "d-1",
+                         "resourceVersion": "7", "labels": {"a": "1"},
+                         "ownerReferences": [{"apiVersion": "c10m.dev/v1alpha1",
+                             "kind": "ConnectionFleet", "name": "edge", "uid": "f-1",
+                             "controller": true}]},
+            "spec": {"replicas": 3, "selector": {"matchLabels": {"a": "1"}},
+                     "template": {"spec": {"containers": [{"name": "s", "image": "i"}]}}},
+            "status": {"readyReplicas": 2}
+        }))
+        .unwrap();
+        let (store, mut writer) = reflector::store::<Stored<Deployment>>();
+        writer.apply_watcher_event(&stored_event(&watcher::Event::Apply(d.clone())));
+        let meta = metadata(&store, "team-a", "edge").unwrap();
+        assert_eq!(meta.owner_references, d.metadata.owner_references);
+        assert_eq!(meta.uid.as_deref(), Some("d-1"));
+        assert_eq!(
+            meta.labels, None,
+            "only what the store and the owner check read"
+        );
+        assert_eq!(get(&store, "team-a", "edge"), Some(d));
+        assert_eq!(metadata(&store, "team-b", "edge"), None);
     }
 
     #[test]

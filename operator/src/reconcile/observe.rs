@@ -8,9 +8,9 @@ use std::sync::Arc;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Node, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource, ResourceExt};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Error;
@@ -99,30 +99,26 @@ pub async fn foreign_object(
         uid: &str,
     ) -> Result<Option<String>, Error>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + Serialize
-            + DeserializeOwned
-            + std::fmt::Debug
-            + 'static,
+        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + 'static,
     {
         let kind = K::kind(&());
-        let cached = store.and_then(|s| cache::get(s, api.namespace().unwrap_or_default(), name));
-        let obj = match cached {
-            Some(o) => Some(o),
+        let cached =
+            store.and_then(|s| cache::metadata(s, api.namespace().unwrap_or_default(), name));
+        let meta = match cached {
+            Some(m) => Some(m),
             None => api
                 .get_opt(name)
                 .await
-                .map_err(Error::observe(format!("get {kind} {name}")))?,
+                .map_err(Error::observe(format!("get {kind} {name}")))?
+                .map(|o| o.meta().clone()),
         };
-        let ours = |o: &K| {
-            o.meta()
-                .owner_references
+        let ours = |m: &ObjectMeta| {
+            m.owner_references
                 .iter()
                 .flatten()
                 .any(|r| r.controller == Some(true) && r.uid == uid)
         };
-        Ok(obj.filter(|o| !ours(o)).map(|_| {
+        Ok(meta.filter(|m| !ours(m)).map(|_| {
             format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
         }))
     }
