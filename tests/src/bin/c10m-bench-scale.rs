@@ -308,6 +308,16 @@ fn watch_fleets(api: Api<DynamicObject>, book: Book) {
     });
 }
 
+/// Waits `d`, checking the guard every 500 ms (`Err` once it trips).
+async fn hold(guard: &Guard, d: Duration) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < d {
+        guard.check()?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(())
+}
+
 /// Polls `done` every 200 ms until it holds, the guard trips, or `limit`
 /// passes (an abort naming `what`).
 async fn wait_until(
@@ -674,12 +684,7 @@ impl Run<'_> {
         let cpu0 = cpu_seconds(self.operator_pid());
         let before = apiserver_counters(&self.client).await?;
         let own_before = operator_writes(self.a.metrics_port);
-        let window = Duration::from_secs(self.a.quiet_seconds);
-        let start = Instant::now();
-        while start.elapsed() < window {
-            self.guard.check()?;
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+        hold(&self.guard, Duration::from_secs(self.a.quiet_seconds)).await?;
         let after = apiserver_counters(&self.client).await?;
         let d = Delta::between(&before, &after);
         let rss = rss_bytes(self.operator_pid()).unwrap_or(0);
@@ -882,9 +887,7 @@ impl Run<'_> {
         r.set("burstKubectlApplySeconds", json!(round2(applied)));
         waited
     }
-}
 
-impl Run<'_> {
     /// Phase 5: autoscaling on for every fleet (merge patches, 50 at a
     /// time), one sync period to settle, then three sync periods counted.
     async fn metrics_loop(&mut self, r: &mut Report) -> Result<()> {
@@ -909,12 +912,7 @@ impl Run<'_> {
             }
         }
         let patched = start.elapsed().as_secs_f64();
-        let settle = Duration::from_secs(period + 10);
-        let waited = Instant::now();
-        while waited.elapsed() < settle {
-            self.guard.check()?;
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+        hold(&self.guard, Duration::from_secs(period + 10)).await?;
         let port = a.metrics_port;
         let queries = || {
             self.prometheus
@@ -923,11 +921,7 @@ impl Run<'_> {
         };
         let (q0, rec0) = (queries(), reconciliations(port));
         let window = Duration::from_secs(3 * period);
-        let counted = Instant::now();
-        while counted.elapsed() < window {
-            self.guard.check()?;
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+        hold(&self.guard, window).await?;
         let (asked, reconciles) = (
             (queries() - q0) as f64,
             rec0.zip(reconciliations(port)).map(|(b, a)| a - b),
