@@ -353,6 +353,25 @@ async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> an
     anyhow::bail!("CRD {name} not Established after 60 s")
 }
 
+/// Hash of what a fleet's reconcile is asked for by: its spec
+/// (`metadata.generation`), labels, annotations (the pause annotation) and
+/// deletion (kube-runtime keys the hashes by uid too, so a fleet deleted
+/// and created again under its name passes as new). Not its status: only the operator writes
+/// it, and a reconcile triggered by its own status write found nothing to
+/// do (the store still gets every change; a reconcile reads the status
+/// there). Timed work (a drain's end, the metrics loop's sync) is
+/// requeued by the reconcile that starts it, not by its status write.
+pub fn fleet_change_hash(fleet: &ConnectionFleet) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let m = &fleet.metadata;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    m.generation.hash(&mut h);
+    m.labels.hash(&mut h);
+    m.annotations.hash(&mut h);
+    m.deletion_timestamp.is_some().hash(&mut h);
+    Some(h.finish())
+}
+
 /// Hash of what a node contributes to plans: its labels and allocatable.
 fn node_profile_hash(node: &Node) -> Option<u64> {
     use std::hash::{Hash, Hasher};
@@ -486,7 +505,9 @@ pub async fn run_controller(
         services,
         pdbs: pdb_store,
         stop: stop.clone(),
+        profiles: Default::default(),
     };
+    let ctx_profiles = cache.profiles.clone();
     let ctx = Arc::new(
         Context::new(client.clone(), instance, metrics, prometheus)
             .with_policy(policy)
@@ -496,7 +517,8 @@ pub async fn run_controller(
         namespace = namespace.as_deref().unwrap_or("<all>"),
         "c10m-operator controller starting"
     );
-    let fleet_events = stored(fleets, watcher::Config::default(), lean, fleet_writer);
+    let fleet_events = stored(fleets, watcher::Config::default(), lean, fleet_writer)
+        .predicate_filter(fleet_change_hash, PredicateConfig::default());
     let controller = Controller::for_stream(fleet_events, fleet_store)
         .with_config(controller::Config::default().concurrency(CONCURRENCY))
         .owns_stream(owned(deps, deployment_writer))
@@ -505,15 +527,26 @@ pub async fn run_controller(
     // Node profiles come from nodes' labels and allocatable: re-plan every
     // fleet when those change (not on the frequent node status heartbeats).
     let store = controller.store();
-    let node_profiles = stored(
-        Api::<Node>::all(client),
-        watcher::Config::default(),
-        lean_node,
-        node_writer,
-    )
-    .predicate_filter(node_profile_hash, PredicateConfig::default());
+    // The profiles the reconciles take from the node store are worked out
+    // again after a change of one (passed on below), a node deleted or a
+    // relist.
+    let profiles = ctx_profiles;
+    let node_events = watcher(Api::<Node>::all(client), watcher::Config::default())
+        .modify(lean_node)
+        .reflect(node_writer)
+        .inspect_ok({
+            let profiles = profiles.clone();
+            move |event| {
+                if matches!(event, watcher::Event::Delete(_) | watcher::Event::InitDone) {
+                    profiles.changed();
+                }
+            }
+        })
+        .applied_objects();
+    let node_profiles = node_events.predicate_filter(node_profile_hash, PredicateConfig::default());
     controller
         .watches_stream(node_profiles, move |_node| {
+            profiles.changed();
             store
                 .state()
                 .iter()
@@ -597,6 +630,44 @@ mod tests {
                 },
                 "{value:?}"
             );
+        }
+    }
+
+    /// A status write, the operator's own, triggers no reconcile; a spec
+    /// change (generation), an annotation (the pause), a label and a
+    /// deletion each do.
+    #[test]
+    fn only_what_a_person_changes_on_a_fleet_triggers_its_reconcile() {
+        let spec = serde_json::json!({"connections": 1000});
+        let mut fleet = ConnectionFleet::new("edge", serde_json::from_value(spec).unwrap());
+        fleet.metadata.generation = Some(1);
+        let base = fleet_change_hash(&fleet);
+        let changed = |edit: &dyn Fn(&mut ConnectionFleet)| {
+            let mut f = fleet.clone();
+            edit(&mut f);
+            fleet_change_hash(&f)
+        };
+        let status = changed(&|f| {
+            f.status = Some(Default::default());
+            f.metadata.resource_version = Some("42".into());
+        });
+        assert_eq!(status, base);
+        let triggers: [&dyn Fn(&mut ConnectionFleet); 4] = [
+            &|f| f.metadata.generation = Some(2),
+            &|f| {
+                f.metadata.annotations =
+                    Some([(crate::names::PAUSE_ANNOTATION.to_string(), "true".into())].into())
+            },
+            &|f| f.metadata.labels = Some([("team".to_string(), "a".to_string())].into()),
+            &|f| {
+                f.metadata.deletion_timestamp =
+                    Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                        k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                    ))
+            },
+        ];
+        for (i, edit) in triggers.iter().enumerate() {
+            assert_ne!(changed(*edit), base, "change {i} must trigger a reconcile");
         }
     }
 

@@ -240,6 +240,9 @@ pub struct Context {
     /// The Deployment's `minReadySeconds` (the rollout's gate) this
     /// process last set, per fleet: (the Deployment's uid, seconds).
     gates: Mutex<HashMap<ObjectRef<ConnectionFleet>, (String, i32)>>,
+    /// The `resourceVersion` this process last read (GET) or wrote (status)
+    /// each fleet at ([`observe::fleet`]).
+    versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, String>>,
 }
 
 impl Context {
@@ -268,6 +271,7 @@ impl Context {
             started: Instant::now(),
             cache: None,
             gates: Mutex::default(),
+            versions: Mutex::default(),
         }
     }
 
@@ -305,6 +309,17 @@ impl Context {
                 *n += 1;
                 *n
             }
+        }
+    }
+
+    /// Records the `resourceVersion` `fleet` was read or written at: a
+    /// cached copy at that version needs no GET ([`observe::fleet`]).
+    pub fn seen(&self, fleet: &ConnectionFleet) {
+        if let Some(rv) = &fleet.metadata.resource_version {
+            self.versions
+                .lock()
+                .unwrap()
+                .insert(ObjectRef::from_obj(fleet), rv.clone());
         }
     }
 
@@ -369,9 +384,17 @@ impl From<Error> for Ended {
 /// One reconcile of one fleet: the pipeline, then its report.
 pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result<Action, Error> {
     let now = Time(Timestamp::now());
-    let fleet = match observe::fleet(&ctx.client, &fleet).await {
-        Ok(Some(latest)) => latest,
-        Ok(None) => return Ok(Action::await_change()),
+    let key = ObjectRef::from_obj(fleet.as_ref());
+    let known = ctx.versions.lock().unwrap().get(&key).cloned();
+    let fleet = match observe::fleet(&ctx.client, &fleet, known.as_deref()).await {
+        Ok(Some(latest)) => {
+            ctx.seen(&latest);
+            latest
+        }
+        Ok(None) => {
+            ctx.versions.lock().unwrap().remove(&key);
+            return Ok(Action::await_change());
+        }
         Err(e) => return report::report(&ctx, &fleet, e.into(), &now).await,
     };
     let ended = pipeline(&ctx, &fleet).await.unwrap_or_else(|e| e);
@@ -395,11 +418,14 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     };
     let node = observe::node_facts(&ctx.client, cache, fleet).await?; // client required
     let plan = plan_fleet(fleet, node, &ctx.policy)?; // no client required
-    let conflict = observe::foreign_object(&ctx.client, cache, &ns, &name, &owner.uid).await?; // client required
+    let secret = observe::admin_secret(&ctx.client, &ns, &name).await?; // client required
+    let conflict =
+        observe::foreign_object(&ctx.client, cache, &ns, &name, &owner.uid, secret.as_ref())
+            .await?; // client required
     reject_conflict(conflict)?; // no client required
     let current = observe::current_replicas(&ctx.client, cache, &ns, &name).await?; // client required
     let failed = |error| failed(&plan, None, error);
-    let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone())
+    let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone(), secret)
         .await
         .map_err(failed)?; // client required
     let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required

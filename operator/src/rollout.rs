@@ -342,7 +342,13 @@ impl Rollout {
             .iter()
             .all(|s| s.cordoned || s.held.is_some() || s.ip.is_none());
         let gate = match next {
-            Some(_) if all_cordoned && st.step_seconds == 0 && gate_at <= now => 0,
+            // Nothing drains and the cordons have settled: a step closes
+            // nothing, whether or not an updated shard became Ready after
+            // the last step was seen (on a node that starts pods at once,
+            // the next step's shard is Ready before the reconcile that
+            // sees the step: it stepped one shard every gate, 3 s, in
+            // `tests/tests/ha.rs`).
+            _ if all_cordoned && st.step_seconds == 0 && gate_at <= now => 0,
             Some(ready) if all_cordoned => seconds_until(ready, gate_at),
             Some(_) => cap,
             None => i64::from(current.unwrap_or(0)).max(seconds_until(now, gate_at)),
@@ -350,6 +356,24 @@ impl Rollout {
         self.status = Some(st);
         (self, gate.clamp(0, cap) as i32)
     }
+}
+
+/// When a rollout's `status` changes by the clock alone, if ahead of
+/// `now`: the end of the drain under way (`drainingUntil`) or the settling
+/// of the last cordons (`lastCordonTime` + [`CORDON_SETTLE_SECONDS`]),
+/// whichever comes first. No watch sees either; the reconcile is requeued
+/// for it.
+pub fn next_deadline(status: &RolloutStatus, now: Timestamp) -> Option<Timestamp> {
+    let settled = status
+        .last_cordon_time
+        .as_ref()
+        .map(|t| t.0 + SignedDuration::from_secs(CORDON_SETTLE_SECONDS));
+    let until = status.draining_until.as_ref().map(|t| t.0);
+    [until, settled]
+        .into_iter()
+        .flatten()
+        .filter(|t| *t > now)
+        .min()
 }
 
 /// The newest of `replica_sets` (highest [`REVISION_ANNOTATION`]): its
@@ -900,6 +924,63 @@ mod tests {
             6,
             "500 at 100/s, and half a second"
         );
+    }
+
+    /// On a node that starts pods at once (KWOK), the next step's updated
+    /// shard is Ready before the reconcile that sees the step: with nothing
+    /// to drain and the cordons settled, the gate opens all the same (it
+    /// stayed at the settle's 3 s, one shard a step, in `tests/tests/ha.rs`).
+    #[test]
+    fn a_step_that_closes_nothing_opens_the_gate_though_its_shard_was_ready_first() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let previous = RolloutStatus {
+            old_shards: 3,
+            cordoned_shards: 3,
+            last_cordon_time: Some(Time(at(0))),
+            ..Default::default()
+        };
+        let pods = [
+            shard_pod("n1", "new", 0, None),
+            shard_pod("n2", "new", 29, None),
+            shard_pod("o2", "old", -50, Some("0")),
+            shard_pod("o3", "old", -50, Some("0")),
+        ];
+        let r = observe(&deployment(3, 2, false), &sets, &pods);
+        let (r, gate) = r.pace(Some(&previous), &PACE, at(30), Some(3));
+        let st = r.status.unwrap();
+        assert_eq!(st.last_step_time, Some(Time(at(30))), "o1 went");
+        assert_eq!((gate, st.step_seconds), (0, 0));
+        // The same step a second after the cordons, n2 Ready as it is
+        // seen: the gate holds until the cordons have settled.
+        let early = [
+            pods[0].clone(),
+            shard_pod("n2", "new", 1, None),
+            pods[2].clone(),
+            pods[3].clone(),
+        ];
+        let (_, gate) = observe(&deployment(3, 2, false), &sets, &early).pace(
+            Some(&previous),
+            &PACE,
+            at(1),
+            Some(3),
+        );
+        assert_eq!(gate, 3);
+    }
+
+    /// The clock alone ends a drain and settles cordons: the next of them
+    /// still ahead is when the reconcile looks again.
+    #[test]
+    fn the_next_deadline_is_the_nearest_of_drain_end_and_cordon_settling() {
+        let st = RolloutStatus {
+            last_cordon_time: Some(Time(at(0))),
+            draining_until: Some(Time(at(10))),
+            ..Default::default()
+        };
+        let settled = at(CORDON_SETTLE_SECONDS);
+        assert_eq!(next_deadline(&st, at(0)), Some(settled));
+        assert_eq!(next_deadline(&st, settled), Some(at(10)));
+        assert_eq!(next_deadline(&st, at(10)), None);
+        assert_eq!(next_deadline(&RolloutStatus::default(), at(0)), None);
     }
 
     /// A shard whose cordon recorded no count (an older server, or an

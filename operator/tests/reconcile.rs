@@ -118,9 +118,15 @@ impl Cluster {
                 None => Reply::not_found(call),
             },
             // Server-side apply of the status subresource: the status only.
+            // Every write gives the object a new resourceVersion.
             Method::PATCH if path == FLEET_STATUS => {
                 let fleet = self.objects.get_mut(FLEET).expect("the fleet exists");
                 fleet["status"] = body["status"].clone();
+                let version = fleet["metadata"]["resourceVersion"]
+                    .as_str()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+                fleet["metadata"]["resourceVersion"] = json!((version + 1).to_string());
                 Reply::ok(fleet.clone())
             }
             Method::PATCH if path.starts_with(EVENTS) => Reply::ok(body),
@@ -893,6 +899,39 @@ async fn a_fleet_read_without_a_uid_is_a_reported_error_not_a_panic() {
     for path in [DEPLOYMENT, SERVICE, PDB, SECRETS] {
         assert!(writes_to(&calls, path).is_empty(), "{path}: {calls:#?}");
     }
+}
+
+/// Issue 23: a reconcile handed the fleet at the version this process
+/// last wrote (the watch has caught up with its status write) reads it
+/// from the cache, not with a GET; a copy at another version (a stale
+/// cache, or someone else's change) is read again.
+#[tokio::test]
+async fn a_fleet_the_cache_holds_as_last_written_is_not_read_again() {
+    let cached = fleet(feasible());
+    let h = Harness::start(Cluster::with_fleet(&cached));
+    h.reconcile(&cached).await.unwrap();
+    let calls = h.api.take();
+    assert!(calls.iter().any(|c| c.is(Method::GET, FLEET)), "{calls:#?}");
+    assert_eq!(status_writes(&calls).len(), 1, "{calls:#?}");
+    // The watch delivers the fleet as written: no GET, and nothing to write.
+    let written = h.stored_fleet();
+    assert_ne!(
+        written.metadata.resource_version,
+        cached.metadata.resource_version
+    );
+    h.reconcile(&written).await.unwrap();
+    let calls = h.api.take();
+    assert!(
+        !calls.iter().any(|c| c.is(Method::GET, FLEET)),
+        "{calls:#?}"
+    );
+    assert!(status_writes(&calls).is_empty(), "{calls:#?}");
+    // A stale copy (from before the write) is read again, and the status
+    // it lacks is not written once more.
+    h.reconcile(&cached).await.unwrap();
+    let calls = h.api.take();
+    assert!(calls.iter().any(|c| c.is(Method::GET, FLEET)), "{calls:#?}");
+    assert!(status_writes(&calls).is_empty(), "{calls:#?}");
 }
 
 #[tokio::test]

@@ -115,16 +115,18 @@ pub fn secret_token(secret: &Secret) -> Option<String> {
 }
 
 /// The fleet's admin token (the bearer token of its shards' `/drain` and
-/// `/shed`): read from its Secret `<fleet>-admin`, or created once (32
-/// random bytes, hex) with the fleet as owner. Never rotated by the
-/// operator. When a create races another reconcile (409), the winner's
-/// Secret is read once more; a Secret without a usable token is an error
-/// naming it (never a retry loop).
+/// `/shed`): from its Secret `<fleet>-admin` as the reconcile read it
+/// (`found`, [`super::observe::admin_secret`]), or, when there is none,
+/// from one created now (32 random bytes, hex) with the fleet as owner.
+/// Never rotated by the operator. When a create races another reconcile
+/// (409), the winner's Secret is read once more; a Secret without a usable
+/// token is an error naming it (never a retry loop).
 pub async fn admin_secret(
     client: &Client,
     ns: &str,
     fleet: &str,
     owner: OwnerReference,
+    found: Option<Secret>,
 ) -> Result<String, Error> {
     let api = Api::<Secret>::namespaced(client.clone(), ns);
     let name = secret_name(fleet);
@@ -133,7 +135,7 @@ pub async fn admin_secret(
         source,
     };
     let token = |s: Secret| secret_token(&s);
-    if let Some(found) = api.get_opt(&name).await.map_err(err)? {
+    if let Some(found) = found {
         return token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() });
     }
     let mut bytes = [0u8; 32];

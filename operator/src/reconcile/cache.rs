@@ -19,11 +19,14 @@
 //! the store. [`difference`] decides what "would change nothing" means.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Node, Service, Toleration};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
@@ -33,6 +36,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
+
+use crate::plan::{NodeFacts, nodes};
 
 /// How long a reconcile waits for the stores' first lists after a start
 /// (or a leader's takeover) before it reads through the API instead; a
@@ -55,9 +60,73 @@ pub struct Cache {
     /// no longer polls: a reconcile still waiting for their first lists
     /// would otherwise hold the exit for the whole [`READY_WAIT`].
     pub stop: CancellationToken,
+    /// The node profiles the nodes store gives, per placement
+    /// ([`Cache::node_profile`]).
+    pub profiles: Profiles,
+}
+
+/// The node profile ([`nodes::observed`]) each placement (node selector
+/// and tolerations) was last given, and the node store's epoch it was
+/// computed at. Working it out reads every node's labels, taints and
+/// allocatable (three quantities parsed a node): with 500 nodes it was the
+/// largest share of a reconcile's CPU in `make bench-scale` (`perf`,
+/// 2026-12-03). The controller bumps the epoch after the store takes a
+/// change a profile is made of ([`Profiles::changed`]: a node's labels or
+/// allocatable, a node deleted, a relist), never on the heartbeats.
+#[derive(Clone, Default)]
+pub struct Profiles {
+    epoch: Arc<AtomicU64>,
+    given: Arc<Mutex<HashMap<String, Given>>>,
+}
+
+/// A placement's profile and the node store's epoch it was worked out at.
+type Given = (u64, Option<NodeFacts>);
+
+/// Placements remembered at most; past it the memory starts again (a
+/// cluster's fleets share a handful of placements).
+const MAX_PLACEMENTS: usize = 1024;
+
+impl Profiles {
+    /// The nodes store took a change a profile is made of: every profile
+    /// given before is worked out again.
+    pub fn changed(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 impl Cache {
+    /// The node profile of a fleet whose pods select nodes by
+    /// `node_selector` and tolerate `tolerations`: the smallest node they
+    /// can land on ([`nodes::placeable`], [`nodes::observed`]), worked out
+    /// from the nodes store once per change of it ([`Profiles`]).
+    pub fn node_profile(
+        &self,
+        node_selector: &std::collections::BTreeMap<String, String>,
+        tolerations: &[Toleration],
+    ) -> Option<NodeFacts> {
+        let key = serde_json::to_string(&(node_selector, tolerations))
+            .expect("labels and tolerations serialize");
+        // Read before the store: a change that lands while the profile is
+        // worked out bumps the epoch past the one it is kept under.
+        let epoch = self.profiles.epoch.load(Ordering::SeqCst);
+        if let Some((at, facts)) = self.profiles.given.lock().unwrap().get(&key)
+            && *at == epoch
+        {
+            return *facts;
+        }
+        let matching = self.nodes.state_filter(|n| {
+            let labels = kube::ResourceExt::labels(n);
+            node_selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+        });
+        let facts = nodes::observed(&nodes::placeable(&matching, tolerations));
+        let mut given = self.profiles.given.lock().unwrap();
+        if given.len() >= MAX_PLACEMENTS {
+            given.clear();
+        }
+        given.insert(key, (epoch, facts));
+        facts
+    }
+
     /// Waits (at most [`READY_WAIT`], and not past [`Cache::stop`]) until
     /// every store has had its first list; `false` if one has not (the
     /// reconcile then reads through the API).
@@ -268,6 +337,7 @@ mod tests {
     use kube::runtime::reflector::{self, store::Writer};
     use kube::runtime::watcher;
     use serde_json::json;
+    use std::collections::BTreeMap;
     use tokio::time::Instant;
 
     /// A cache whose stores have had no list yet, with their writers (a
@@ -292,8 +362,41 @@ mod tests {
             services,
             pdbs,
             stop: CancellationToken::new(),
+            profiles: Profiles::default(),
         };
         (cache, (n, d, s, p))
+    }
+
+    fn node(name: &str, memory: &str, labels: serde_json::Value) -> Node {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": labels},
+            "status": {"allocatable": {"memory": memory, "cpu": "64", "pods": "110"}}
+        }))
+        .unwrap()
+    }
+
+    /// A placement's profile is worked out once per change of the node
+    /// store: a node added behind the epoch's back is not seen until
+    /// [`Profiles::changed`], then is. Each placement has its own.
+    #[test]
+    fn a_profile_is_worked_out_again_only_after_the_nodes_change() {
+        let (cache, (mut nodes, ..)) = unlisted();
+        let big = node("big", "256Gi", json!({"pool": "a"}));
+        nodes.apply_watcher_event(&watcher::Event::Apply(big));
+        let any = BTreeMap::new();
+        let pool_b = BTreeMap::from([("pool".to_string(), "b".to_string())]);
+        let memory =
+            |sel: &BTreeMap<String, String>| cache.node_profile(sel, &[]).map(|f| f.memory_bytes);
+        assert_eq!(memory(&any), Some(256 << 30));
+        assert_eq!(memory(&pool_b), None);
+        let small = node("small", "64Gi", json!({"pool": "b"}));
+        nodes.apply_watcher_event(&watcher::Event::Apply(small));
+        // Kept: the controller has not said the store changed.
+        assert_eq!(memory(&any), Some(256 << 30));
+        assert_eq!(memory(&pool_b), None);
+        cache.profiles.changed();
+        assert_eq!(memory(&any), Some(64 << 30));
+        assert_eq!(memory(&pool_b), Some(64 << 30));
     }
 
     // The clock is tokio's paused one: elapsed times are exact, not measured.

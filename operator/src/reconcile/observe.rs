@@ -3,8 +3,6 @@
 //! way, the replicas its Deployment runs now, and (after the apply) the
 //! ReplicaSets and pods its workload's failures show on.
 
-use std::sync::Arc;
-
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Node, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -24,11 +22,19 @@ use crate::plan::{NodeFacts, PlanError, nodes};
 /// reconcile is triggered with may predate the operator's last status write
 /// (an owned object's event can arrive first): deciding from the stored
 /// status means a stale cache never flips a condition's transition time or
-/// repeats an event.
+/// repeats an event. `known` is the `resourceVersion` this process last
+/// read or wrote the fleet at ([`super::Context::seen`]): a cached copy at
+/// that version is the stored fleet as of this process's last read or
+/// write, and is used without a GET (most reconciles; a GET each was a
+/// third of a reconcile's reads, issue 23).
 pub async fn fleet(
     client: &Client,
     fleet: &ConnectionFleet,
+    known: Option<&str>,
 ) -> Result<Option<ConnectionFleet>, Error> {
+    if known.is_some() && fleet.metadata.resource_version.as_deref() == known {
+        return Ok(Some(fleet.clone()));
+    }
     let name = fleet.name_any();
     Api::<ConnectionFleet>::namespaced(client.clone(), &fleet.namespace().unwrap_or_default())
         .get_opt(&name)
@@ -42,7 +48,8 @@ pub async fn fleet(
 /// only where it is smaller ([`nodes::resolve_sourced`]). The nodes are
 /// listed even when `spec.node` gives every size: a fleet's claim never
 /// sizes node-level limits past the real node. The nodes come from the
-/// `cache` when there is one (the controller's node watch), else from a
+/// `cache` when there is one (the controller's node watch; the profile is
+/// worked out once per change of it, [`Cache::node_profile`]), else from a
 /// list. The inner error is the plan's (no profile), the outer one an API
 /// failure.
 pub async fn node_facts(
@@ -50,33 +57,38 @@ pub async fn node_facts(
     cache: Option<&Cache>,
     fleet: &ConnectionFleet,
 ) -> Result<Result<(NodeFacts, NodeSource), PlanError>, Error> {
-    let wanted = &fleet.spec.placement.node_selector;
-    let matching: Vec<Arc<Node>> = match cache {
-        Some(c) => c.nodes.state_filter(|n| {
-            let labels = n.labels();
-            wanted.iter().all(|(k, v)| labels.get(k) == Some(v))
-        }),
+    let placement = &fleet.spec.placement;
+    let observed = match cache {
+        Some(c) => c.node_profile(&placement.node_selector, &placement.tolerations),
         None => {
-            let selector = wanted
+            let selector = placement
+                .node_selector
                 .iter()
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect::<Vec<_>>()
                 .join(",");
-            Api::<Node>::all(client.clone())
+            let matching = Api::<Node>::all(client.clone())
                 .list(&ListParams::default().labels(&selector))
                 .await
                 .map_err(|source| Error::Nodes { source })?
-                .items
-                .into_iter()
-                .map(Arc::new)
-                .collect()
+                .items;
+            nodes::observed(&nodes::placeable(&matching, &placement.tolerations))
         }
     };
-    let placeable = nodes::placeable(&matching, &fleet.spec.placement.tolerations);
-    Ok(nodes::resolve_sourced(
-        &fleet.spec,
-        nodes::observed(&placeable),
-    ))
+    Ok(nodes::resolve_sourced(&fleet.spec, observed))
+}
+
+/// The fleet's admin Secret `<fleet>-admin` as stored (`None`: not
+/// created yet), read once a reconcile: the ownership check
+/// ([`foreign_object`]) and the token ([`super::apply::admin_secret`])
+/// both take it from here. Secrets are not watched (that needs `list` and
+/// `watch` on every Secret; the chart grants `get` and `create`).
+pub async fn admin_secret(client: &Client, ns: &str, fleet: &str) -> Result<Option<Secret>, Error> {
+    let name = secret_name(fleet);
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .get_opt(&name)
+        .await
+        .map_err(Error::observe(format!("get Secret {name}")))
 }
 
 /// The first object the fleet would own (Deployment, Service,
@@ -84,13 +96,15 @@ pub async fn node_facts(
 /// something else: a message naming it. The operator never adopts or
 /// rewrites such an object. An object the `cache` holds is read from it
 /// (it carries the operator's labels, but the owner is still checked);
-/// others are read through the API.
+/// others are read through the API, but the admin `secret`, which the
+/// caller read ([`admin_secret`]).
 pub async fn foreign_object(
     client: &Client,
     cache: Option<&Cache>,
     ns: &str,
     name: &str,
     uid: &str,
+    secret: Option<&Secret>,
 ) -> Result<Option<String>, Error> {
     async fn check<K>(
         api: Api<K>,
@@ -112,15 +126,7 @@ pub async fn foreign_object(
                 .map_err(Error::observe(format!("get {kind} {name}")))?
                 .map(|o| o.meta().clone()),
         };
-        let ours = |m: &ObjectMeta| {
-            m.owner_references
-                .iter()
-                .flatten()
-                .any(|r| r.controller == Some(true) && r.uid == uid)
-        };
-        Ok(meta.filter(|m| !ours(m)).map(|_| {
-            format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
-        }))
+        Ok(not_ours::<K>(meta.as_ref(), name, uid))
     }
     let found = [
         check(
@@ -144,15 +150,28 @@ pub async fn foreign_object(
             uid,
         )
         .await?,
-        check(
-            Api::<Secret>::namespaced(client.clone(), ns),
-            None,
-            &secret_name(name),
-            uid,
-        )
-        .await?,
+        not_ours::<Secret>(secret.map(|s| &s.metadata), &secret_name(name), uid),
     ];
     Ok(found.into_iter().flatten().next())
+}
+
+/// The message naming object `name` of kind `K` when it exists (`meta`)
+/// and no controller owner reference names the fleet's `uid`.
+fn not_ours<K: Resource<DynamicType = ()>>(
+    meta: Option<&ObjectMeta>,
+    name: &str,
+    uid: &str,
+) -> Option<String> {
+    let kind = K::kind(&());
+    let ours = |m: &ObjectMeta| {
+        m.owner_references
+            .iter()
+            .flatten()
+            .any(|r| r.controller == Some(true) && r.uid == uid)
+    };
+    meta.filter(|m| !ours(m)).map(|_| {
+        format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
+    })
 }
 
 /// Replicas the fleet's Deployment runs now (`None` before it exists),

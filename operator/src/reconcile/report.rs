@@ -16,12 +16,24 @@ use super::{Context, Ended, Error, RESYNC, truncate};
 use crate::api::{ConnectionFleet, ConnectionFleetStatus};
 use crate::names::FIELD_MANAGER;
 use crate::reason::Announcement;
+use crate::rollout;
 use crate::status::{self, Outcome, Shards};
 
 /// Requeue while shards roll out: Deployment status changes arrive through
 /// the owned-object watch; this only covers a rollout the watch might not
 /// report.
 pub const ROLLOUT_RECHECK: Duration = Duration::from_secs(15);
+
+/// The next look after a status write mid-rollout (a step seen, cordons
+/// given): the step's updated shards become Ready about a pod start later
+/// (0.5-0.8 s in `tests/tests/rollout.rs`), and no watch of the operator's
+/// sees that (pods are not watched; the Deployment's status may not change
+/// with it), yet the rollout's gate opens on it. The fleet's own status
+/// write no longer triggers a reconcile (`controller::fleet_change_hash`);
+/// before, that reconcile was this look, at once. Without it a failover's
+/// re-plan of 22 empty shards stepped on the Deployment's events alone, one
+/// shard every 4 s (`tests/tests/ha.rs`).
+pub const ROLLOUT_LOOK_AGAIN: Duration = Duration::from_secs(1);
 
 /// Derives, publishes and writes what the pipeline `ended` with. Returns the
 /// requeue for a fleet that is as planned or rejected (a rejected spec waits
@@ -93,7 +105,8 @@ pub async fn report(
     for note in &notes {
         publish(ctx, fleet, note).await;
     }
-    let written = if Some(&next) != prev {
+    let changed = Some(&next) != prev;
+    let written = if changed {
         write_status(fleet, ctx, &next).await
     } else {
         Ok(())
@@ -106,13 +119,21 @@ pub async fn report(
     }
     written?;
     let wait = match &outcome {
-        // A drain that ends is seen by no watch: look again as it does.
+        // A drain that ends and cordons that settle are seen by no watch:
+        // look again as they do.
         Outcome::Applied {
             rollout: Some(r), ..
-        } => r.draining_until.as_ref().map_or(ROLLOUT_RECHECK, |until| {
-            let left = until.0.duration_since(now.0).as_millis().max(0) as u64;
-            ROLLOUT_RECHECK.min(Duration::from_millis(left + 100))
-        }),
+        } => {
+            let timed = rollout::next_deadline(r, now.0).map_or(ROLLOUT_RECHECK, |at| {
+                let left = at.duration_since(now.0).as_millis().max(0) as u64;
+                ROLLOUT_RECHECK.min(Duration::from_millis(left + 100))
+            });
+            if changed {
+                timed.min(ROLLOUT_LOOK_AGAIN)
+            } else {
+                timed
+            }
+        }
         Outcome::Applied { shards, .. } if !shards.rolled_out() => ROLLOUT_RECHECK,
         _ => RESYNC,
     };
@@ -156,15 +177,17 @@ async fn write_status(
         "kind": "ConnectionFleet",
         "status": status,
     });
-    api.patch_status(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(|source| Error::Report {
-        what: format!("update status of ConnectionFleet {name}"),
-        source,
-    })?;
+    let written = api
+        .patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(|source| Error::Report {
+            what: format!("update status of ConnectionFleet {name}"),
+            source,
+        })?;
+    ctx.seen(&written);
     Ok(())
 }

@@ -468,6 +468,14 @@ fn reconciliations(port: u16) -> Option<f64> {
     operator_counter(port, "c10m_operator_reconciliations_total{", |_| true)
 }
 
+/// The GET requests (reads, lists and watches) the operator counts itself
+/// as sent (`c10m_operator_api_requests_total`).
+fn operator_reads(port: u16) -> Option<f64> {
+    operator_counter(port, "c10m_operator_api_requests_total{", |l| {
+        l.contains(r#"method="GET""#)
+    })
+}
+
 /// The requests the operator counts itself as sent with another method
 /// than GET (`c10m_operator_api_requests_total`): its writes, by its own
 /// account.
@@ -655,6 +663,10 @@ impl Run<'_> {
             let cpu = round2(cpu_seconds(pid) - cpu0);
             r.set("operatorCpuSeconds", json!({ "ramp": cpu }));
             r.set("reconciles", json!({"ramp": reconciliations(port)}));
+            r.set(
+                "operatorRequests",
+                json!({"ramp": {"reads": operator_reads(port), "writes": operator_writes(port)}}),
+            );
         };
         spent(r);
         deployed?;
@@ -1132,6 +1144,11 @@ fn print_table(r: &Value) {
     row("apply → fleet Ready ms (p50/p99/max)", &r["applyToReadyMs"]);
     row("operator RSS bytes (steady/peak)", &r["operatorRssBytes"]);
     row("operator CPU s (ramp/quiet)", &r["operatorCpuSeconds"]);
+    row("ramp: operator reconciles", &r["reconciles"]["ramp"]);
+    row(
+        "ramp: operator requests (reads/writes)",
+        &r["operatorRequests"]["ramp"],
+    );
     row(
         "quiet: mutating requests",
         &r["quietWindow"]["mutatingRequests"],
