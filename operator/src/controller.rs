@@ -356,10 +356,10 @@ async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> an
 /// Hash of what a fleet's reconcile is asked for by: its spec
 /// (`metadata.generation`), labels, annotations (the pause annotation) and
 /// deletion (kube-runtime keys the hashes by uid too, so a fleet deleted
-/// and created again under its name passes as new). Not its status: only the operator writes
-/// it, and a reconcile triggered by its own status write found nothing to
-/// do (the store still gets every change; a reconcile reads the status
-/// there). Timed work (a drain's end, the metrics loop's sync) is
+/// and created again under its name passes as new). Not its status: only
+/// the operator writes it, and a reconcile triggered by its own status
+/// write found nothing to do (the store still gets every change; a
+/// reconcile reads the status there). Timed work (a drain's end, the metrics loop's sync) is
 /// requeued by the reconcile that starts it, not by its status write.
 pub fn fleet_change_hash(fleet: &ConnectionFleet) -> Option<u64> {
     use std::hash::{Hash, Hasher};
@@ -507,7 +507,7 @@ pub async fn run_controller(
         stop: stop.clone(),
         profiles: Default::default(),
     };
-    let ctx_profiles = cache.profiles.clone();
+    let profiles = cache.profiles.clone();
     let ctx = Arc::new(
         Context::new(client.clone(), instance, metrics, prometheus)
             .with_policy(policy)
@@ -529,8 +529,9 @@ pub async fn run_controller(
     let store = controller.store();
     // The profiles the reconciles take from the node store are worked out
     // again after a change of one (passed on below), a node deleted or a
-    // relist.
-    let profiles = ctx_profiles;
+    // relist. The epoch is bumped after `reflect`, never before: a profile
+    // worked out at the new epoch must see the change (so not `keep`, whose
+    // stages have no place for it between).
     let node_events = watcher(Api::<Node>::all(client), watcher::Config::default())
         .modify(lean_node)
         .reflect(node_writer)

@@ -291,10 +291,7 @@ impl Rollout {
         } else {
             previous.and_then(|p| p.last_cordon_time.clone())
         };
-        let settled = st
-            .last_cordon_time
-            .as_ref()
-            .map(|t| t.0 + SignedDuration::from_secs(CORDON_SETTLE_SECONDS));
+        let settled = cordons_settled(&st);
         st.last_step_time = last_step.map(Time);
         st.draining_until = until.map(Time);
         let old: Vec<&Shard> = serving_old(&self.shards).collect();
@@ -364,16 +361,22 @@ impl Rollout {
 /// whichever comes first. No watch sees either; the reconcile is requeued
 /// for it.
 pub fn next_deadline(status: &RolloutStatus, now: Timestamp) -> Option<Timestamp> {
-    let settled = status
-        .last_cordon_time
-        .as_ref()
-        .map(|t| t.0 + SignedDuration::from_secs(CORDON_SETTLE_SECONDS));
+    let settled = cordons_settled(status);
     let until = status.draining_until.as_ref().map(|t| t.0);
     [until, settled]
         .into_iter()
         .flatten()
         .filter(|t| *t > now)
         .min()
+}
+
+/// When the last cordons of a rollout have taken effect: `lastCordonTime`
+/// + [`CORDON_SETTLE_SECONDS`]; `None` before any cordon.
+fn cordons_settled(status: &RolloutStatus) -> Option<Timestamp> {
+    status
+        .last_cordon_time
+        .as_ref()
+        .map(|t| t.0 + SignedDuration::from_secs(CORDON_SETTLE_SECONDS))
 }
 
 /// The newest of `replica_sets` (highest [`REVISION_ANNOTATION`]): its

@@ -96,8 +96,8 @@ pub async fn admin_secret(client: &Client, ns: &str, fleet: &str) -> Result<Opti
 /// something else: a message naming it. The operator never adopts or
 /// rewrites such an object. An object the `cache` holds is read from it
 /// (it carries the operator's labels, but the owner is still checked);
-/// others are read through the API, but the admin `secret`, which the
-/// caller read ([`admin_secret`]).
+/// others are read through the API, except the admin `secret`, which the
+/// caller has read ([`admin_secret`]).
 pub async fn foreign_object(
     client: &Client,
     cache: Option<&Cache>,

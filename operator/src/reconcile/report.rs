@@ -28,11 +28,11 @@ pub const ROLLOUT_RECHECK: Duration = Duration::from_secs(15);
 /// given): the step's updated shards become Ready about a pod start later
 /// (0.5-0.8 s in `tests/tests/rollout.rs`), and no watch of the operator's
 /// sees that (pods are not watched; the Deployment's status may not change
-/// with it), yet the rollout's gate opens on it. The fleet's own status
+/// with it), yet the rollout's gate is set from it. The fleet's own status
 /// write no longer triggers a reconcile (`controller::fleet_change_hash`);
-/// before, that reconcile was this look, at once. Without it a failover's
-/// re-plan of 22 empty shards stepped on the Deployment's events alone, one
-/// shard every 4 s (`tests/tests/ha.rs`).
+/// before, that reconcile was a look of this kind, at once. The timed
+/// changes (a drain's end, the cordons settling) have their own requeue
+/// ([`rollout::next_deadline`]).
 pub const ROLLOUT_LOOK_AGAIN: Duration = Duration::from_secs(1);
 
 /// Derives, publishes and writes what the pipeline `ended` with. Returns the
