@@ -904,7 +904,7 @@ pub struct Placement {
 /// cannot narrow the schema. A unit test pins it together with a SHA-256 of
 /// the CRD's `spec`: change the schema without raising this and that test
 /// fails, naming the new revision and digest to pin.
-pub const CRD_SCHEMA_REVISION: u32 = 2;
+pub const CRD_SCHEMA_REVISION: u32 = 3;
 
 /// The ConnectionFleet CRD as the operator installs it and `make crd`
 /// writes it: the types' CRD (`ConnectionFleet::crd()`) with annotation
@@ -951,8 +951,8 @@ mod tests {
     /// The schema revision and the SHA-256 (hex) of the CRD's canonical
     /// `spec` JSON ([`spec_digest`]) at that revision.
     const PINNED_SCHEMA: (u32, &str) = (
-        2,
-        "e4b62195b3f5226764be7e4c55b5db5ff5a79133fbafef9f7e4bd931e62ac6bd",
+        3,
+        "9fa6b594d04d77e5e82660c6954370dac9ca3d39f2599e719e5d21eb3e9186cc",
     );
 
     /// `v` as JSON with every object's keys sorted and no whitespace: the

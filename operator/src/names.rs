@@ -40,6 +40,15 @@ pub const REVISION_ANNOTATION: &str = "deployment.kubernetes.io/revision";
 /// `unknown` when it did not say).
 pub const CORDONED_ANNOTATION: &str = "c10m.dev/cordoned";
 
+/// Fleet annotation a user sets to restart every shard within the
+/// reconnect budget (`kubectl annotate connectionfleet NAME
+/// c10m.dev/restarted-at="$(date -Iseconds)" --overwrite`): copied as is
+/// onto the shards' pod template, so each new value rolls the fleet. Unlike
+/// `kubectl rollout restart` of the Deployment, the change is the
+/// operator's to write, so one made while a step drains waits for that
+/// drain ([`crate::rollout::template_waits`], ADR 0011).
+pub const RESTARTED_AT_ANNOTATION: &str = "c10m.dev/restarted-at";
+
 /// Annotation on the ConnectionFleet CRD: the schema revision it carries
 /// ([`crate::api::CRD_SCHEMA_REVISION`] of the operator that generated it),
 /// a decimal integer. An operator never applies its CRD over one carrying a

@@ -431,9 +431,11 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required
     let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
     let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
-    let deployment = apply::objects(&ctx.client, cache, &ns, &objects).await; // client required
-    let deployment = match deployment {
-        Ok(deployment) => deployment,
+    let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
+    let waits = rollout::template_waits(previous, Timestamp::now()); // no client required
+    let applied = apply::objects(&ctx.client, cache, &ns, &objects, waits.is_some()).await; // client required
+    let (deployment, held) = match applied {
+        Ok(applied) => applied,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
     };
     let workload = observe::workload(&ctx.client, &ns, &name, &deployment).await; // client required
@@ -454,7 +456,6 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         surge: i64::from(plan.rollout_surge),
         cap_step_seconds: plan.rollout_step_seconds,
     };
-    let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
     // The gate as this process last set it, else as stored: the stored
     // Deployment may be the cache's copy (apply skipped), a watch event
     // behind the last gate written, and a gate written back to what a stale
@@ -471,9 +472,28 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let (rollout, gate) = rollout
         .after(&done)
         .pace(previous, &pace, Timestamp::now(), min_ready); // no client required
+    let behind = deployment
+        .status
+        .as_ref()
+        .and_then(|s| s.observed_generation)
+        < deployment.metadata.generation;
+    let held = waits.filter(|_| held);
+    let (rollout, gate) = rollout.hold(gate, min_ready, held, behind, &pace); // no client required
     let deployment = if min_ready == Some(gate) {
         deployment
     } else {
+        let st = rollout.status.as_ref();
+        tracing::info!(
+            fleet = %name,
+            gate,
+            was = ?min_ready,
+            behind,
+            held = ?held,
+            draining_until = ?st.and_then(|s| s.draining_until.as_ref()).map(|t| t.0),
+            old = st.map(|s| s.old_shards),
+            cordoned = st.map(|s| s.cordoned_shards),
+            "rollout gate (minReadySeconds) set"
+        );
         match apply::min_ready_seconds(&ctx.client, &ns, &name, gate).await {
             Ok(deployment) => {
                 ctx.gates.lock().unwrap().insert(key, (uid, gate));

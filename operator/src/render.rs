@@ -26,8 +26,8 @@ use crate::api::{
     BackendModel, ConnectionFleet, ConnectionFleetSpec, FailureDomain, Plan, SysctlMode,
 };
 use crate::names::{
-    CONNECTION_PORT_NAME, POD_TEMPLATE_HASH, SERVER_CONTAINER, SYSCTL_INIT_CONTAINER, labels,
-    secret_name, selector,
+    CONNECTION_PORT_NAME, POD_TEMPLATE_HASH, RESTARTED_AT_ANNOTATION, SERVER_CONTAINER,
+    SYSCTL_INIT_CONTAINER, labels, secret_name, selector,
 };
 use crate::plan;
 use crate::policy::Policy;
@@ -330,6 +330,10 @@ pub fn render(
         "prometheus.io/path".to_string(),
         admin::METRICS_PATH.to_string(),
     );
+    let restarted_at = fleet.metadata.annotations.as_ref();
+    if let Some(at) = restarted_at.and_then(|a| a.get(RESTARTED_AT_ANNOTATION)) {
+        pod_annotations.insert(RESTARTED_AT_ANNOTATION.to_string(), at.clone());
+    }
 
     // A rollout within the fleet's reconnect budget (ADR 0011):
     // `rolloutSurge` updated shards come up before as many old ones are
@@ -1273,6 +1277,41 @@ mod tests {
             .unwrap();
         assert_eq!(annotations["prometheus.io/port"], "9100");
         assert_eq!(annotations["prometheus.io/path"], admin::METRICS_PATH);
+    }
+
+    /// A restart through the fleet: its `c10m.dev/restarted-at` goes onto
+    /// the pod template (a new value is a new template, rolled within the
+    /// budget); without it the template carries none.
+    #[test]
+    fn a_restart_annotation_on_the_fleet_is_carried_onto_the_pod_template() {
+        let template_annotations = |f: &ConnectionFleet, c: &Case| {
+            let out = render(
+                f,
+                &c.plan,
+                c.owner.clone(),
+                c.plan.shards,
+                &Policy::default(),
+            );
+            out.deployment
+                .spec
+                .unwrap()
+                .template
+                .metadata
+                .unwrap()
+                .annotations
+                .unwrap()
+        };
+        let c = case(serde_json::json!({"connections": 100_000}));
+        assert!(!template_annotations(&c.fleet, &c).contains_key(RESTARTED_AT_ANNOTATION));
+        let mut restarted = c.fleet.clone();
+        restarted.metadata.annotations = Some(BTreeMap::from([(
+            RESTARTED_AT_ANNOTATION.to_string(),
+            "2026-12-04T17:40:00Z".to_string(),
+        )]));
+        assert_eq!(
+            template_annotations(&restarted, &c)[RESTARTED_AT_ANNOTATION],
+            "2026-12-04T17:40:00Z"
+        );
     }
 
     #[test]

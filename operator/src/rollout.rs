@@ -129,6 +129,13 @@ pub struct Orders {
     /// Shards to uncordon (`POST /uncordon`): cordoned ones that run the
     /// current template (a rollback made their template current again).
     pub uncordon: Vec<Shard>,
+    /// With cordons to send: the updated shards, Ready, that the cordoned
+    /// shards' clients will land on. The cordons go out only once one of
+    /// them answers its readiness probe ([`crate::reconcile::cordon`]): a
+    /// pod's Ready condition is the last probe's word, and can come before
+    /// its server listens (KWOK's pods, whose servers may start seconds
+    /// later), or outlive it.
+    pub landing: Vec<Shard>,
     /// Among the orders carried out: shards to be cordoned where nothing
     /// listens at the admin endpoint (the connection was refused). Every
     /// rendered shard serves its readiness probe there, so no server runs
@@ -200,26 +207,38 @@ impl Rollout {
     }
 
     /// The cordon and uncordon orders for this rollout. Draining shards
-    /// and shards without an IP get none. Cordons of shards that run the
-    /// current template again (a rollback) are lifted.
+    /// and shards without an IP get none. Old shards are cordoned once an
+    /// updated shard is Ready. Cordons are lifted from shards that run the
+    /// current template again (a rollback), once no rollout is under way,
+    /// and when no shard could take a new client (no updated shard Ready,
+    /// none Ready and uncordoned: the new template's shards failed after
+    /// the cordons). A new template whose shards are not Ready yet lifts
+    /// no cordon while the interrupted revision's shards serve: the oldest
+    /// shards were uncordoned by it, took new clients, and moved them
+    /// twice (a third revision, `tests/tests/rollout.rs`).
     pub fn orders(&self) -> Orders {
         let mut orders = Orders::default();
-        let landing = self
-            .shards
-            .iter()
-            .any(|s| s.updated && s.ready && !s.terminating);
-        let running = self.under_way() && landing;
+        let up = |s: &&Shard| s.ready && !s.terminating;
+        let landing = self.shards.iter().filter(up).any(|s| s.updated);
+        let serving = self.shards.iter().filter(up).any(|s| !s.cordoned);
+        let under_way = self.under_way();
         for s in self
             .shards
             .iter()
             .filter(|s| s.ip.is_some() && !s.terminating)
         {
             let old = !s.updated;
-            if old && running && !s.cordoned {
+            if old && under_way && landing && !s.cordoned {
                 orders.cordon.push(s.clone());
-            } else if s.cordoned && !(old && running) {
+            } else if s.cordoned && (!old || !under_way || !(landing || serving)) {
                 orders.uncordon.push(s.clone());
             }
+        }
+        if !orders.cordon.is_empty() {
+            orders.landing = (self.shards.iter().filter(up))
+                .filter(|s| s.updated && s.ip.is_some())
+                .cloned()
+                .collect();
         }
         orders
     }
@@ -327,12 +346,17 @@ impl Rollout {
             return (self, gate as i32);
         }
         let gate_at = until.unwrap_or(now).max(settled.unwrap_or(now));
+        // The next step's shards: updated, Ready since the last step was
+        // seen. A Ready time is truncated to the second, so a shard Ready
+        // in the second the step was seen counts: left out, the gate stayed
+        // at the cap's step (a third revision's first surge, Ready 0.5 s
+        // after its step, `tests/tests/rollout.rs`).
         let next = self
             .shards
             .iter()
             .filter(|s| s.updated && s.ready && !s.terminating)
             .filter_map(|s| s.ready_since)
-            .filter(|r| last_step.is_none_or(|l| *r > l))
+            .filter(|r| last_step.is_none_or(|l| *r + SignedDuration::from_secs(1) > l))
             .min();
         // Cordoned, vacant (a count without a cordon) or not placed.
         let all_cordoned = old
@@ -352,6 +376,69 @@ impl Rollout {
         };
         self.status = Some(st);
         (self, gate.clamp(0, cap) as i32)
+    }
+}
+
+/// Seconds a held gate ([`Rollout::hold`]) keeps beyond the cap's step,
+/// so that the next step's updated shards cannot become available before
+/// the reconcile at `drainingUntil` has applied the template that waited:
+/// their Ready times have 1 s resolution, and that reconcile is requeued
+/// 100 ms after the drain's end and may wait behind others (a reconcile
+/// took up to 3 s under `make bench-scale`'s ramp).
+pub const TEMPLATE_HOLD_MARGIN_SECONDS: i64 = 10;
+
+/// Until when a change of the pod template must wait, given the status the
+/// last reconcile wrote: the end of the drain under way
+/// (`previous.drainingUntil`), if ahead of `now`. Applied mid-drain, a new
+/// template gives the Deployment controller room to remove
+/// `rolloutSurge` unavailable old pods at once (its cleanup of unhealthy
+/// replicas), and cordoned shards are unready: a second drain on top of
+/// the one under way, above the budget (ADR 0011). Applied between
+/// steps, that removal is the next step, paced like any other.
+pub fn template_waits(previous: Option<&RolloutStatus>, now: Timestamp) -> Option<Timestamp> {
+    previous?
+        .draining_until
+        .as_ref()
+        .map(|t| t.0)
+        .filter(|u| *u > now)
+}
+
+impl Rollout {
+    /// The rollout and the gate once [`Rollout::pace`] gave `gate`, given
+    /// the Deployment's gate now (`current`), a pod template that waits
+    /// until `held` ([`template_waits`]), and whether the Deployment
+    /// controller has not yet observed the Deployment's latest generation
+    /// (`behind`).
+    ///
+    /// While a template waits, the gate is held at the cap's step plus
+    /// [`TEMPLATE_HOLD_MARGIN_SECONDS`], so no step starts before the
+    /// template is applied, and the status says until when it waits
+    /// (`templateHeldUntil`). While the controller is behind, the gate is
+    /// never lowered: a template just applied may not have reached its
+    /// ReplicaSets yet, and a gate lowered for the revision it replaces
+    /// would start a step as the controller starts the new revision's
+    /// cleanup. The controller's status write that catches up is a watch
+    /// event, so the gate is lowered at the next reconcile.
+    pub fn hold(
+        mut self,
+        gate: i32,
+        current: Option<i32>,
+        held: Option<Timestamp>,
+        behind: bool,
+        pace: &Pace,
+    ) -> (Rollout, i32) {
+        let mut gate = i64::from(gate);
+        if held.is_some() {
+            let cap = pace.cap_step_seconds.clamp(0, i64::from(i32::MAX / 4));
+            gate = gate.max(cap + TEMPLATE_HOLD_MARGIN_SECONDS);
+        }
+        if behind {
+            gate = gate.max(i64::from(current.unwrap_or(0)));
+        }
+        if let Some(st) = &mut self.status {
+            st.template_held_until = held.map(Time);
+        }
+        (self, gate as i32)
     }
 }
 
@@ -607,6 +694,41 @@ mod tests {
             .collect();
         let r = observe(&deployment(2, 1, false), &sets, &pods);
         assert_eq!(names(&r.orders().cordon), ["bb", "ccc"]);
+    }
+
+    /// A third revision not Ready yet: the first revision's shards stay
+    /// cordoned while the interrupted revision's serve, and those are
+    /// cordoned once a shard of the third is Ready. Should the new shards
+    /// fail with every other shard cordoned, the cordons are lifted: new
+    /// clients always have a shard to land on.
+    #[test]
+    fn a_third_revision_keeps_the_oldest_cordoned_until_its_own_shards_are_ready() {
+        let sets = [rs("1", "one"), rs("2", "two"), rs("3", "three")];
+        let mut starting = pod("m1", "three", false, false);
+        starting.status.as_mut().unwrap().conditions = None;
+        let pods = [
+            starting.clone(),
+            pod("o3", "one", true, false),
+            pod("o4", "one", true, false),
+            pod("n1", "two", false, false),
+            pod("n2", "two", false, false),
+        ];
+        let r = observe(&deployment(4, 0, false), &sets, &pods);
+        assert_eq!(r.orders(), Orders::default());
+
+        let mut pods = pods;
+        pods[0] = pod("m1", "three", false, false);
+        let o = observe(&deployment(4, 1, false), &sets, &pods).orders();
+        assert_eq!(names(&o.cordon), ["n1", "n2"]);
+        assert!(o.uncordon.is_empty());
+
+        // m1 failed its readiness after every other shard was cordoned.
+        pods[0] = starting;
+        pods[3] = pod("n1", "two", true, false);
+        pods[4] = pod("n2", "two", true, false);
+        let o = observe(&deployment(4, 0, false), &sets, &pods).orders();
+        assert!(o.cordon.is_empty());
+        assert_eq!(names(&o.uncordon), ["o3", "o4", "n1", "n2"]);
     }
 
     /// A paused rollout keeps (and completes) its cordons: the Deployment
@@ -953,8 +1075,9 @@ mod tests {
         let st = r.status.unwrap();
         assert_eq!(st.last_step_time, Some(Time(at(30))), "o1 went");
         assert_eq!((gate, st.step_seconds), (0, 0));
-        // The same step a second after the cordons, n2 Ready as it is
-        // seen: the gate holds until the cordons have settled.
+        // The same step a second after the cordons, n2 Ready in the second
+        // it is seen: the gate holds until the cordons have settled (n2
+        // available at +2 s).
         let early = [
             pods[0].clone(),
             shard_pod("n2", "new", 1, None),
@@ -967,7 +1090,7 @@ mod tests {
             at(1),
             Some(3),
         );
-        assert_eq!(gate, 3);
+        assert_eq!(gate, CORDON_SETTLE_SECONDS as i32 - 1);
     }
 
     /// The clock alone ends a drain and settles cordons: the next of them
@@ -1008,5 +1131,62 @@ mod tests {
         assert_eq!(st.step_seconds, 16);
         assert_eq!(st.connections_on_old_shards, 0);
         assert_eq!(gate, 16, "40 s of drain left, bounded by the cap's step");
+    }
+
+    /// Issue 22, item 3: a template changed as a step drains waits for the
+    /// drain's end, and no step starts meanwhile; once applied, the gate is
+    /// not lowered until the Deployment controller has observed it.
+    #[test]
+    fn a_template_changed_mid_drain_waits_for_its_end_and_holds_the_gate() {
+        let previous = RolloutStatus {
+            old_shards: 2,
+            cordoned_shards: 2,
+            step_seconds: 6,
+            last_cordon_time: Some(Time(at(0))),
+            last_step_time: Some(Time(at(10))),
+            draining_until: Some(Time(at(16))),
+            ..Default::default()
+        };
+        assert_eq!(template_waits(Some(&previous), at(12)), Some(at(16)));
+        assert_eq!(template_waits(Some(&previous), at(16)), None);
+        assert_eq!(template_waits(None, at(12)), None);
+
+        // Mid-drain: n2, Ready at +12 s, would be available as the drain
+        // ends (a gate of 4 s); held, it is not, and the status says why.
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let pods = [
+            shard_pod("n1", "new", 5, None),
+            shard_pod("n2", "new", 12, None),
+            shard_pod("o2", "old", -50, Some("500")),
+            shard_pod("o3", "old", -50, Some("500")),
+        ];
+        let paced = observe(&deployment(3, 2, false), &sets, &pods).pace(
+            Some(&previous),
+            &PACE,
+            at(13),
+            Some(4),
+        );
+        assert_eq!(paced.1, 4, "unheld: available at the drain's end");
+        let (r, gate) = paced.0.hold(paced.1, Some(4), Some(at(16)), false, &PACE);
+        let cap = PACE.cap_step_seconds + TEMPLATE_HOLD_MARGIN_SECONDS;
+        assert_eq!(i64::from(gate), cap);
+        assert_eq!(r.status.unwrap().template_held_until, Some(Time(at(16))));
+
+        // The drain over, the template applied and not yet observed by the
+        // controller: the held gate stays; observed, it is paced again (n2,
+        // Ready at +12 s, available now, at +17 s).
+        let observed = |behind| {
+            let (r, gate) = observe(&deployment(3, 2, false), &sets, &pods).pace(
+                Some(&previous),
+                &PACE,
+                at(17),
+                Some(cap as i32),
+            );
+            r.hold(gate, Some(cap as i32), None, behind, &PACE)
+        };
+        let (r, gate) = observed(true);
+        assert_eq!(i64::from(gate), cap);
+        assert_eq!(r.status.unwrap().template_held_until, None);
+        assert_eq!(observed(false).1, 5);
     }
 }

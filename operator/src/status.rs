@@ -259,6 +259,9 @@ pub fn workload_failure(
 }
 
 /// What one reconcile found.
+// One value per reconcile, read once by the report: the size of the
+// variant holding a plan and a rollout costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Outcome {
     /// The spec cannot be planned; `reason` is a PascalCase condition reason.
@@ -344,7 +347,7 @@ pub fn next_status(
             );
             if let Some(r) = rollout {
                 counts.push_str(&format!(
-                    "; revision {}: {} old shards ({} cordoned, holding {} connections), {} draining at {} connections/s{}{}",
+                    "; revision {}: {} old shards ({} cordoned, holding {} connections), {} draining at {} connections/s{}{}{}",
                     r.revision,
                     r.old_shards,
                     r.cordoned_shards,
@@ -354,7 +357,13 @@ pub fn next_status(
                     r.estimated_completion_time
                         .as_ref()
                         .map_or(String::new(), |t| format!("; done by {}", t.0)),
-                    if r.paused { "; paused" } else { "" }
+                    if r.paused { "; paused" } else { "" },
+                    r.template_held_until
+                        .as_ref()
+                        .map_or(String::new(), |t| format!(
+                            "; a new pod template waits for the drain to end at {}",
+                            t.0
+                        )),
                 ));
             }
             if done {

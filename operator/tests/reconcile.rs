@@ -946,3 +946,63 @@ async fn a_deleted_fleet_is_left_alone() {
     assert_eq!(calls.len(), 1, "{calls:#?}");
     assert!(calls[0].is(Method::GET, FLEET));
 }
+
+/// Issue 22, item 3: a change of the pod template made while a rollout's
+/// step drains is not applied until the drain ends (applied mid-drain, the
+/// Deployment controller would start a second drain on top, ADR 0011), and
+/// the gate is held meanwhile so no step starts; the drain over, the
+/// template is applied.
+#[tokio::test]
+async fn a_template_change_mid_drain_waits_for_the_drain_to_end() {
+    let cached = fleet(feasible());
+    let h = Harness::start(Cluster {
+        ready: true,
+        ..Cluster::with_fleet(&cached)
+    });
+    h.reconcile(&cached).await.unwrap();
+    h.api.take();
+    let plan = h.stored_fleet().status.unwrap().plan.unwrap();
+
+    let change = |drain_ends_in: i64| {
+        let until = k8s_openapi::jiff::Timestamp::now()
+            + k8s_openapi::jiff::SignedDuration::from_secs(drain_ends_in);
+        let mut c = h.cluster.lock().unwrap();
+        let f = c.objects.get_mut(FLEET).unwrap();
+        f["spec"]["server"] = json!({"image": "c10m.local/server:next"});
+        f["status"]["rollout"] = json!({
+            "revision": 2, "updatedShards": 2, "oldShards": 2, "cordonedShards": 2,
+            "drainingShards": 2, "closesPerSecond": 200, "drainingUntil": until.to_string(),
+        });
+    };
+    let applied_images = |calls: &[Call]| -> Vec<Value> {
+        writes_to(calls, DEPLOYMENT)
+            .into_iter()
+            .filter(|c| !c.query().contains(ROLLOUT_MANAGER))
+            .map(|c| {
+                c.body.as_ref().unwrap()["spec"]["template"]["spec"]["containers"][0]["image"]
+                    .clone()
+            })
+            .collect()
+    };
+
+    change(30);
+    h.reconcile(&h.stored_fleet()).await.unwrap();
+    let calls = h.api.take();
+    assert_eq!(applied_images(&calls), Vec::<Value>::new(), "{calls:#?}");
+    let gates: Vec<Value> = writes_to(&calls, DEPLOYMENT)
+        .into_iter()
+        .filter(|c| c.query().contains(ROLLOUT_MANAGER))
+        .map(|c| c.body.as_ref().unwrap()["spec"]["minReadySeconds"].clone())
+        .collect();
+    let held = plan.rollout_step_seconds + c10m_operator::rollout::TEMPLATE_HOLD_MARGIN_SECONDS;
+    assert_eq!(gates, vec![json!(held)], "{calls:#?}");
+
+    change(-1);
+    h.reconcile(&h.stored_fleet()).await.unwrap();
+    let calls = h.api.take();
+    assert_eq!(
+        applied_images(&calls),
+        vec![json!("c10m.local/server:next")],
+        "{calls:#?}"
+    );
+}

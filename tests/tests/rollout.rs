@@ -672,19 +672,21 @@ fn killing_the_leader_mid_rollout_keeps_the_budget_and_moves_every_client_once()
     check(&fig);
 }
 
-/// `make bench-rollout`: 8 shards, 16,000 clients, a 400/s budget (two
-/// shards a step at 200/s each); writes `target/bench/rollout.json`, then
-/// checks the same bounds as the test.
 /// Issue 22, item 3: a new template while a rollout is under way (a new
-/// `spec.server.image` as the first step's shards drain). The interrupted
-/// revision's shards should turn old, be cordoned with the rest and drain
-/// in later steps, so that a client moves at most once per revision change,
-/// only clients those shards held move twice, and the budget holds. The
-/// Deployment controller removes the cordoned (unready) old shards at once
-/// instead (ADR 0011, "A third revision mid-rollout"): this test fails
-/// today, and stays out of `make test` until the mechanism holds it.
+/// `spec.server.image` as the first step's shards drain). The template
+/// waits for that drain's end (the gate held meanwhile); the Deployment
+/// controller's removal of cordoned old shards that a new template allows
+/// is then the next step, paced like the others. The interrupted
+/// revision's shards stay serving until a shard of the third is Ready,
+/// are then cordoned with the rest and drain in later steps: a client
+/// moves at most once per revision change, only clients those shards held
+/// move twice, and the budget holds (ADR 0011). On the KWOK plane the
+/// third revision's pods often get the IPs of shards still draining, and
+/// the pod runner starts their servers only when those drains end (10 s
+/// here): its cordons wait for them, and the steps go out of shape. Two of
+/// six runs met every bound; so it stays out of `make test`.
 #[test]
-#[ignore = "known gap: a third revision breaks the budget (ADR 0011)"]
+#[ignore = "flaky on KWOK: the third revision's servers start a drain late (ADR 0011)"]
 fn a_third_revision_mid_rollout_moves_each_client_once_per_revision_change() {
     let fig = roll(&Roll {
         third_revision: true,
@@ -693,6 +695,9 @@ fn a_third_revision_mid_rollout_moves_each_client_once_per_revision_change() {
     check(&fig);
 }
 
+/// `make bench-rollout`: 8 shards, 16,000 clients, a 400/s budget (two
+/// shards a step at 200/s each); writes `target/bench/rollout.json`, then
+/// checks the same bounds as the test.
 #[test]
 #[ignore = "make bench-rollout"]
 fn bench_rollout() {

@@ -556,6 +556,14 @@ pub struct RolloutStatus {
     /// finish.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+    /// A change of the fleet's pod template (image, env, resources, a
+    /// re-plan) made while a step drains waits until the drain ends, this
+    /// time, and no step starts meanwhile: applied mid-drain, the
+    /// Deployment controller would at once remove as many cordoned old
+    /// shards as the surge, a second drain on top of the one under way
+    /// (ADR 0011, "A third revision mid-rollout").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_held_until: Option<Time>,
 }
 
 /// What the autoscaler decided and why.

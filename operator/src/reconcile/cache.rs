@@ -288,6 +288,22 @@ where
     }
 }
 
+/// The first path under `.spec.template` where the `live` Deployment does
+/// not hold what `want` sets ([`difference`]): applying `want` would roll
+/// the Deployment to a new revision. `None` when the template would stay
+/// (a quantity the API server rewrote counts as a change, as for
+/// [`unchanged`]: at worst a template held back for nothing until a drain
+/// ends).
+pub fn template_change(live: &Deployment, want: &Deployment) -> Option<String> {
+    let template = |d: &Deployment| {
+        d.spec
+            .as_ref()
+            .map(|s| serde_json::to_value(&s.template).unwrap_or(Value::Null))
+            .unwrap_or(Value::Null)
+    };
+    difference(&template(live), &template(want), ".spec.template")
+}
+
 /// The first path (`.spec.replicas`, `.spec.template.spec.containers[0]`)
 /// where `live` does not hold what `want` sets; `None` when it holds all of
 /// it. `want` is a server-side apply body: every field it sets must be in
@@ -507,5 +523,47 @@ mod tests {
             Some(".cpu")
         );
         assert_eq!(difference(&json!(1), &json!(2), "").as_deref(), Some("."));
+    }
+
+    /// A rollout holds back a template change, not a change of replicas.
+    #[test]
+    fn only_a_pod_template_change_is_a_template_change() {
+        let d = |replicas: i32, image: &str| -> Deployment {
+            serde_json::from_value(json!({
+                "metadata": {"name": "f", "generation": 3},
+                "spec": {"replicas": replicas, "selector": {},
+                         "template": {"spec": {"containers": [
+                             {"name": "server", "image": image,
+                              "terminationMessagePath": "/dev/termination-log"}]}}}
+            }))
+            .unwrap()
+        };
+        let want = |replicas: i32, image: &str| -> Deployment {
+            let mut w = d(replicas, image);
+            let c = &mut w
+                .spec
+                .as_mut()
+                .unwrap()
+                .template
+                .spec
+                .as_mut()
+                .unwrap()
+                .containers[0];
+            c.termination_message_path = None;
+            w
+        };
+        let live = d(3, "c10m.local/server:1");
+        assert_eq!(
+            template_change(&live, &want(3, "c10m.local/server:1")),
+            None
+        );
+        assert_eq!(
+            template_change(&live, &want(5, "c10m.local/server:1")),
+            None
+        );
+        assert_eq!(
+            template_change(&live, &want(3, "c10m.local/server:2")).as_deref(),
+            Some(".spec.template.spec.containers[0].image")
+        );
     }
 }

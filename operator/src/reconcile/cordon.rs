@@ -10,6 +10,10 @@
 //! its own fullest shard's drain, which is what the step is paced by, and
 //! the emptier shards go in shorter steps at the end.
 //!
+//! Cordons go out only once an updated shard they send clients to answers
+//! its readiness probe (`GET /healthz`): a pod's Ready condition can come
+//! before its server listens.
+//!
 //! A shard that does not answer (starting, gone, unreachable) keeps its
 //! annotation as it was and gets the order again on the next reconcile; a
 //! rollout never waits for it, because the Deployment's strategy alone
@@ -21,7 +25,9 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use tracing::{info, warn};
 
-use c10m_wire::admin::{CORDON_PATH, UNCORDON_PATH};
+use std::time::Duration;
+
+use c10m_wire::admin::{CORDON_PATH, HEALTHZ_PATH, UNCORDON_PATH};
 
 use super::Error;
 use crate::autoscale::act;
@@ -43,7 +49,15 @@ pub async fn carry_out(
 ) -> Result<Orders, Error> {
     let mut done = Orders::default();
     let pods = Api::<Pod>::namespaced(client.clone(), ns);
-    let cordon = orders.cordon.iter().map(|s| (s, true));
+    let mut cordons = orders.cordon.as_slice();
+    if !cordons.is_empty() && !any_answers(http, &orders.landing, port).await {
+        info!(
+            cordons = cordons.len(),
+            "no updated shard answers its readiness probe yet: the cordons wait"
+        );
+        cordons = &[];
+    }
+    let cordon = cordons.iter().map(|s| (s, true));
     let uncordon = orders.uncordon.iter().map(|s| (s, false));
     for (shard, on) in cordon.chain(uncordon) {
         let Some(ip) = &shard.ip else { continue };
@@ -80,6 +94,19 @@ pub async fn carry_out(
         }
     }
     Ok(done)
+}
+
+/// Whether one of the `landing` shards answers its readiness probe
+/// (`GET /healthz` on the admin `port`, 200 within 2 s), tried in turn.
+async fn any_answers(http: &reqwest::Client, landing: &[Shard], port: i32) -> bool {
+    for ip in landing.iter().filter_map(|s| s.ip.as_deref()) {
+        let url = format!("http://{ip}:{port}{HEALTHZ_PATH}");
+        let answer = http.get(&url).timeout(Duration::from_secs(2)).send().await;
+        if answer.is_ok_and(|a| a.status() == reqwest::StatusCode::OK) {
+            return true;
+        }
+    }
+    false
 }
 
 /// The pod annotations that record an order carried out: a cordon with
