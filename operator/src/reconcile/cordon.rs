@@ -23,7 +23,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use std::time::Duration;
 
@@ -51,8 +51,18 @@ pub async fn carry_out(
     let pods = Api::<Pod>::namespaced(client.clone(), ns);
     let mut cordons = orders.cordon.as_slice();
     if !cordons.is_empty() && !any_answers(http, &orders.landing, port).await {
-        info!(
+        // Nowhere to land yet: shards with a server keep serving; those
+        // without one hold nothing and are vacant all the same.
+        for shard in cordons {
+            if let Some(ip) = &shard.ip
+                && probe(http, ip, port).await.is_err_and(|e| act::refused(&e))
+            {
+                done.vacant.push(shard.clone());
+            }
+        }
+        debug!(
             cordons = cordons.len(),
+            vacant = done.vacant.len(),
             "no updated shard answers its readiness probe yet: the cordons wait"
         );
         cordons = &[];
@@ -97,16 +107,31 @@ pub async fn carry_out(
 }
 
 /// Whether one of the `landing` shards answers its readiness probe
-/// (`GET /healthz` on the admin `port`, 200 within 2 s), tried in turn.
+/// ([`probe`] gives 200), tried in turn.
 async fn any_answers(http: &reqwest::Client, landing: &[Shard], port: i32) -> bool {
     for ip in landing.iter().filter_map(|s| s.ip.as_deref()) {
-        let url = format!("http://{ip}:{port}{HEALTHZ_PATH}");
-        let answer = http.get(&url).timeout(Duration::from_secs(2)).send().await;
-        if answer.is_ok_and(|a| a.status() == reqwest::StatusCode::OK) {
+        if probe(http, ip, port)
+            .await
+            .is_ok_and(|status| status == 200)
+        {
             return true;
         }
     }
     false
+}
+
+/// The status of a shard's readiness probe (`GET /healthz` on the admin
+/// `port` at `ip`, within 2 s); an error when it does not answer
+/// ([`act::refused`] tells a shard where nothing listens).
+async fn probe(http: &reqwest::Client, ip: &str, port: i32) -> anyhow::Result<u16> {
+    let url = format!("http://{ip}:{port}{HEALTHZ_PATH}");
+    let answer = http
+        .get(&url)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("GET {url}")))?;
+    Ok(answer.status().as_u16())
 }
 
 /// The pod annotations that record an order carried out: a cordon with
@@ -164,5 +189,47 @@ mod tests {
             annotations(record(false, Some(5))),
             serde_json::json!({CORDONED_ANNOTATION: null, POD_DELETION_COST: null})
         );
+    }
+
+    /// With no updated shard answering yet, no cordon is sent; old shards
+    /// where nothing listens are vacant (they hold nothing), as a cordon
+    /// refused would have found them: a fleet whose pods run no server
+    /// still rolls.
+    #[tokio::test]
+    async fn cordons_wait_for_a_landing_shard_and_shards_without_a_server_are_vacant() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        }; // closed: nothing listens there
+        let shard = |name: &str, updated: bool| Shard {
+            name: name.into(),
+            ip: Some("127.0.0.1".into()),
+            updated,
+            cordoned: false,
+            held: None,
+            terminating: false,
+            ready: true,
+            ready_since: None,
+        };
+        let orders = Orders {
+            cordon: vec![shard("old-1", false)],
+            landing: vec![shard("new-1", true)],
+            ..Default::default()
+        };
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let done = carry_out(
+            &client,
+            &reqwest::Client::new(),
+            "ns",
+            port.into(),
+            "t",
+            &orders,
+        )
+        .await
+        .unwrap();
+        assert!(done.cordon.is_empty(), "{done:?}");
+        assert_eq!(done.vacant.len(), 1, "{done:?}");
+        assert_eq!(done.vacant[0].name, "old-1");
     }
 }
