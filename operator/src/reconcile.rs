@@ -423,7 +423,8 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         observe::foreign_object(&ctx.client, cache, &ns, &name, &owner.uid, secret.as_ref())
             .await?; // client required
     reject_conflict(conflict)?; // no client required
-    let current = observe::current_replicas(&ctx.client, cache, &ns, &name).await?; // client required
+    let live = observe::deployment(&ctx.client, cache, &ns, &name).await?; // client required
+    let current = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
     let failed = |error| failed(&plan, None, error);
     let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone(), secret)
         .await
@@ -433,7 +434,8 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
     let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
     let waits = rollout::template_waits(previous, Timestamp::now()); // no client required
-    let applied = apply::objects(&ctx.client, cache, &ns, &objects, waits.is_some()).await; // client required
+    let hold = live.as_ref().filter(|_| waits.is_some());
+    let applied = apply::objects(&ctx.client, cache, &ns, &objects, hold).await; // client required
     let (deployment, held) = match applied {
         Ok(applied) => applied,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),

@@ -155,6 +155,14 @@ pub struct Pace {
     pub cap_step_seconds: i64,
 }
 
+impl Pace {
+    /// The cap's step, seconds, within `0..=i32::MAX / 2` (a gate, and a
+    /// held gate's margin on top, fit an i32).
+    fn cap(&self) -> i64 {
+        self.cap_step_seconds.clamp(0, i64::from(i32::MAX / 2))
+    }
+}
+
 /// The old shards not draining.
 fn serving_old(shards: &[Shard]) -> impl Iterator<Item = &Shard> {
     shards.iter().filter(|s| !s.updated && !s.terminating)
@@ -275,7 +283,7 @@ impl Rollout {
         now: Timestamp,
         current: Option<i32>,
     ) -> (Rollout, i32) {
-        let cap = pace.cap_step_seconds.clamp(0, i64::from(i32::MAX / 2));
+        let cap = pace.cap();
         let Some(mut st) = self.status.take() else {
             return (self, cap as i32);
         };
@@ -377,33 +385,7 @@ impl Rollout {
         self.status = Some(st);
         (self, gate.clamp(0, cap) as i32)
     }
-}
 
-/// Seconds a held gate ([`Rollout::hold`]) keeps beyond the cap's step,
-/// so that the next step's updated shards cannot become available before
-/// the reconcile at `drainingUntil` has applied the template that waited:
-/// their Ready times have 1 s resolution, and that reconcile is requeued
-/// 100 ms after the drain's end and may wait behind others (a reconcile
-/// took up to 3 s under `make bench-scale`'s ramp).
-pub const TEMPLATE_HOLD_MARGIN_SECONDS: i64 = 10;
-
-/// Until when a change of the pod template must wait, given the status the
-/// last reconcile wrote: the end of the drain under way
-/// (`previous.drainingUntil`), if ahead of `now`. Applied mid-drain, a new
-/// template gives the Deployment controller room to remove
-/// `rolloutSurge` unavailable old pods at once (its cleanup of unhealthy
-/// replicas), and cordoned shards are unready: a second drain on top of
-/// the one under way, above the budget (ADR 0011). Applied between
-/// steps, that removal is the next step, paced like any other.
-pub fn template_waits(previous: Option<&RolloutStatus>, now: Timestamp) -> Option<Timestamp> {
-    previous?
-        .draining_until
-        .as_ref()
-        .map(|t| t.0)
-        .filter(|u| *u > now)
-}
-
-impl Rollout {
     /// The rollout and the gate once [`Rollout::pace`] gave `gate`, given
     /// the Deployment's gate now (`current`), a pod template that waits
     /// until `held` ([`template_waits`]), and whether the Deployment
@@ -429,8 +411,7 @@ impl Rollout {
     ) -> (Rollout, i32) {
         let mut gate = i64::from(gate);
         if held.is_some() {
-            let cap = pace.cap_step_seconds.clamp(0, i64::from(i32::MAX / 4));
-            gate = gate.max(cap + TEMPLATE_HOLD_MARGIN_SECONDS);
+            gate = gate.max(pace.cap() + TEMPLATE_HOLD_MARGIN_SECONDS);
         }
         if behind {
             gate = gate.max(i64::from(current.unwrap_or(0)));
@@ -440,6 +421,30 @@ impl Rollout {
         }
         (self, gate as i32)
     }
+}
+
+/// Seconds a held gate ([`Rollout::hold`]) keeps beyond the cap's step,
+/// so that the next step's updated shards cannot become available before
+/// the reconcile at `drainingUntil` has applied the template that waited:
+/// their Ready times have 1 s resolution, and that reconcile is requeued
+/// 100 ms after the drain's end and may wait behind others (a reconcile
+/// took up to 3 s under `make bench-scale`'s ramp).
+pub const TEMPLATE_HOLD_MARGIN_SECONDS: i64 = 10;
+
+/// Until when a change of the pod template must wait, given the status the
+/// last reconcile wrote: the end of the drain under way
+/// (`previous.drainingUntil`), if ahead of `now`. Applied mid-drain, a new
+/// template gives the Deployment controller room to remove
+/// `rolloutSurge` unavailable old pods at once (its cleanup of unhealthy
+/// replicas), and cordoned shards are unready: a second drain on top of
+/// the one under way, above the budget (ADR 0011). Applied between
+/// steps, that removal is the next step, paced like any other.
+pub fn template_waits(previous: Option<&RolloutStatus>, now: Timestamp) -> Option<Timestamp> {
+    previous?
+        .draining_until
+        .as_ref()
+        .map(|t| t.0)
+        .filter(|u| *u > now)
 }
 
 /// When a rollout's `status` changes by the clock alone, if ahead of

@@ -38,26 +38,22 @@ where
 /// and whether its template was held back. One the `cache` holds already
 /// as rendered ([`cache::unchanged`]) is not applied: its stored copy
 /// stands for it. With `hold_template` (a rollout's step drains,
-/// [`crate::rollout::template_waits`]) a Deployment whose pod template
-/// would change ([`cache::template_change`]) is not applied either, its
-/// other changes (replicas) with it: they wait together for the drain's
-/// end, at most a step.
+/// [`crate::rollout::template_waits`]: the Deployment as stored, read
+/// once by the reconcile, [`super::observe::deployment`]) a Deployment
+/// whose pod template would change ([`cache::template_change`]) is not
+/// applied either, its other changes (replicas) with it: they wait
+/// together for the drain's end, at most a step.
 pub async fn objects(
     client: &Client,
     cache: Option<&Cache>,
     ns: &str,
     objects: &Rendered,
-    hold_template: bool,
+    hold_template: Option<&Deployment>,
 ) -> Result<(Deployment, bool), Error> {
     let want = &objects.deployment;
-    let held = match hold_template {
-        true => stored_deployment(client, cache, ns, want)
-            .await?
-            .filter(|live| cache::template_change(live, want).is_some()),
-        false => None,
-    };
+    let held = hold_template.filter(|live| cache::template_change(live, want).is_some());
     let deployment = match held {
-        Some(live) => (live, true),
+        Some(live) => (live.clone(), true),
         None => (
             ensure(client, ns, cache.map(|c| &c.deployments), want).await?,
             false,
@@ -66,24 +62,6 @@ pub async fn objects(
     ensure(client, ns, cache.map(|c| &c.services), &objects.service).await?;
     ensure(client, ns, cache.map(|c| &c.pdbs), &objects.pdb).await?;
     Ok(deployment)
-}
-
-/// The Deployment `want` names as stored: from the `cache` when it has
-/// seen it, else read (`None`: there is none).
-async fn stored_deployment(
-    client: &Client,
-    cache: Option<&Cache>,
-    ns: &str,
-    want: &Deployment,
-) -> Result<Option<Deployment>, Error> {
-    let name = want.metadata.name.clone().unwrap_or_default();
-    if let Some(live) = cache.and_then(|c| cache::get(&c.deployments, ns, &name)) {
-        return Ok(Some(live));
-    }
-    Api::<Deployment>::namespaced(client.clone(), ns)
-        .get_opt(&name)
-        .await
-        .map_err(Error::observe(format!("get Deployment {name}")))
 }
 
 /// `want` as stored: the `store`'s copy when it holds `want` already, else

@@ -20,12 +20,12 @@
 //! bounds the close rate ([`crate::rollout`]). A failed annotation write is
 //! the reconcile's error (retried with backoff).
 
+use std::time::Duration;
+
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use tracing::{debug, info, warn};
-
-use std::time::Duration;
 
 use c10m_wire::admin::{CORDON_PATH, HEALTHZ_PATH, UNCORDON_PATH};
 

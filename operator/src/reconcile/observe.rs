@@ -174,23 +174,23 @@ fn not_ours<K: Resource<DynamicType = ()>>(
     })
 }
 
-/// Replicas the fleet's Deployment runs now (`None` before it exists),
-/// from the `cache` when it holds the Deployment.
-pub async fn current_replicas(
+/// The fleet's Deployment as stored (`None` before it exists), from the
+/// `cache` when it holds it: its replicas now (the metrics loop's start),
+/// and its pod template (a template change held back during a rollout's
+/// drain, [`super::apply::objects`]).
+pub async fn deployment(
     client: &Client,
     cache: Option<&Cache>,
     ns: &str,
     name: &str,
-) -> Result<Option<i32>, Error> {
-    let cached = cache.and_then(|c| cache::get(&c.deployments, ns, name));
-    let deployment = match cached {
-        Some(d) => Some(d),
+) -> Result<Option<Deployment>, Error> {
+    match cache.and_then(|c| cache::get(&c.deployments, ns, name)) {
+        Some(d) => Ok(Some(d)),
         None => Api::<Deployment>::namespaced(client.clone(), ns)
             .get_opt(name)
             .await
-            .map_err(Error::observe(format!("get Deployment {name}")))?,
-    };
-    Ok(deployment.and_then(|d| d.spec.and_then(|s| s.replicas)))
+            .map_err(Error::observe(format!("get Deployment {name}"))),
+    }
 }
 
 /// The fleet's ReplicaSets and, while its Deployment has fewer ready
