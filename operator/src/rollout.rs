@@ -81,6 +81,8 @@ pub struct Shard {
     pub ip: Option<String>,
     /// Runs the template being rolled out.
     pub updated: bool,
+    /// The revision of its ReplicaSet, when that was listed.
+    pub revision: Option<i64>,
     /// The operator cordoned it ([`CORDONED_ANNOTATION`]).
     pub cordoned: bool,
     /// Connections it held when it answered its cordon (the annotation's
@@ -171,6 +173,29 @@ fn serving_old(shards: &[Shard]) -> impl Iterator<Item = &Shard> {
 /// Old shards not draining that are cordoned.
 fn cordoned(shards: &[Shard]) -> i32 {
     serving_old(shards).filter(|s| s.cordoned).count() as i32
+}
+
+/// The old shards serving (`old`) that the next step may remove, as the
+/// Deployment and ReplicaSet controllers pick them: of the `surge` shards
+/// a step removes, pods not Ready first (the Deployment controller's
+/// cleanup of unhealthy replicas, the ReplicaSet's `ActivePodsWithRanks`),
+/// then the oldest ReplicaSet's. So the step takes from the shards ranked
+/// (not Ready first, then by revision, oldest first; an unknown revision
+/// first) up to the rank of the `surge`-th: every shard of that rank or a
+/// lower one may go. A step's drain is sized by the most one of them holds:
+/// the Ready shards of an interrupted revision, not yet cordoned and their
+/// counts unknown, no longer size the step that removes the cordoned shards
+/// of the revision before (a 9 s stall at the cap's step,
+/// `tests/tests/rollout.rs` third revision).
+fn next_step<'a>(old: &[&'a Shard], surge: i64) -> impl Iterator<Item = &'a Shard> {
+    let rank = |s: &Shard| (s.ready, s.revision);
+    let mut ranks: Vec<_> = old.iter().map(|s| rank(s)).collect();
+    ranks.sort_unstable();
+    let removed = usize::try_from(surge.max(1)).unwrap_or(usize::MAX);
+    let last = ranks.get(removed.min(ranks.len()).wrapping_sub(1)).copied();
+    old.iter()
+        .copied()
+        .filter(move |s| last.is_some_and(|l| rank(s) <= l))
 }
 
 /// `n ÷ d` rounded up, for `n ≥ 0` and `d ≥ 1`.
@@ -326,9 +351,8 @@ impl Rollout {
         // no clients.
         let held = |s: &Shard| s.held.or(s.ip.is_none().then_some(0));
         st.connections_on_old_shards = old.iter().filter_map(|s| held(s)).sum();
-        let most = old
-            .iter()
-            .map(|s| held(s))
+        let most = next_step(&old, pace.surge)
+            .map(held)
             .try_fold(0, |m, h| Some(m.max(h?)));
         st.step_seconds = match most {
             Some(h) => step_seconds(h, pace.drain_rate).min(cap),
@@ -502,7 +526,19 @@ pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod
     let Some((revision, hash)) = current_revision(replica_sets) else {
         return Rollout::default();
     };
-    let shards: Vec<Shard> = pods.iter().filter_map(|p| shard(p, &hash)).collect();
+    let revisions: Vec<(&String, i64)> = replica_sets
+        .iter()
+        .filter_map(|rs| {
+            Some((
+                rs.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?,
+                self::revision(rs)?,
+            ))
+        })
+        .collect();
+    let shards: Vec<Shard> = pods
+        .iter()
+        .filter_map(|p| shard(p, &hash, &revisions))
+        .collect();
     let updated = deployment
         .status
         .as_ref()
@@ -551,7 +587,9 @@ pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod
     }
 }
 
-fn shard(pod: &Pod, current_hash: &str) -> Option<Shard> {
+/// The shard `pod` is, given the current template's hash and each
+/// ReplicaSet's hash and revision.
+fn shard(pod: &Pod, current_hash: &str, revisions: &[(&String, i64)]) -> Option<Shard> {
     let hash = pod.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?;
     let status = pod.status.as_ref();
     let cordon = pod
@@ -567,6 +605,7 @@ fn shard(pod: &Pod, current_hash: &str) -> Option<Shard> {
         name: pod.metadata.name.clone()?,
         ip: status.and_then(|s| s.pod_ip.clone()),
         updated: hash == current_hash,
+        revision: revisions.iter().find(|(h, _)| *h == hash).map(|(_, r)| *r),
         cordoned: cordon.is_some(),
         held: cordon.and_then(|v| v.parse().ok()),
         terminating: pod.metadata.deletion_timestamp.is_some(),
@@ -1112,6 +1151,36 @@ mod tests {
         assert_eq!(next_deadline(&st, settled), Some(at(10)));
         assert_eq!(next_deadline(&st, at(10)), None);
         assert_eq!(next_deadline(&RolloutStatus::default(), at(0)), None);
+    }
+
+    /// Issue 22, item 3: once a third revision's ReplicaSet exists, the
+    /// interrupted revision's shards are old too, Ready and not yet
+    /// cordoned (their counts unknown). The next step removes the two
+    /// cordoned shards of the first revision (the oldest ReplicaSet's, and
+    /// not Ready where their probes fail): it is sized by what those held,
+    /// not at the cap's step.
+    #[test]
+    fn the_step_is_sized_by_the_shards_it_removes_first() {
+        let sets = [rs("1", "r1"), rs("2", "r2"), rs("3", "r3")];
+        let mut pods = vec![
+            shard_pod("o1", "r1", -100, Some("1000")),
+            shard_pod("o2", "r1", -100, Some("1040")),
+        ];
+        pods.extend((1..=4).map(|i| shard_pod(&format!("i{i}"), "r2", 3, None)));
+        let step = |pods: &[Pod]| {
+            let r = observe(&deployment(4, 0, false), &sets, pods);
+            let st = r.pace(None, &PACE, at(12), Some(16)).0.status.unwrap();
+            (st.old_shards as usize, st.step_seconds)
+        };
+        // All Ready (KWOK, whose pods run no probes): the oldest revision's.
+        assert_eq!(step(&pods), (6, 11), "1,040 at 100/s + 0.5 s, rounded up");
+        // Not Ready (probes failing on their cordon): the same two.
+        for p in &mut pods[..2] {
+            p.status.as_mut().unwrap().conditions.as_mut().unwrap()[0].status = "False".into();
+        }
+        assert_eq!(step(&pods), (6, 11));
+        // One left: the step may take a shard of unknown count as well.
+        assert_eq!(step(&pods[1..]), (5, 16), "the cap's step");
     }
 
     /// A shard whose cordon recorded no count (an older server, or an

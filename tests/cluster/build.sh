@@ -4,7 +4,10 @@
 # node/mkimage.sh and this script:
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubelet (k8s.io/kubernetes, see go.mod)
 #   etcd (go.etcd.io/etcd/server/v3/etcdmain, cmd/etcd)
-#   kwok (sigs.k8s.io/kwok/cmd/kwok) and helm (helm.sh/helm/v3/cmd/helm)
+#   kwok (sigs.k8s.io/kwok/cmd/kwok, with kwok-ip-pool.patch: a pod gets a
+#     never-used IP first, then the one released longest ago, as host-local
+#     IPAM hands them out; upstream may hand a new pod the IP of a pod whose
+#     server still drains) and helm (helm.sh/helm/v3/cmd/helm)
 #   pause (node/pause.c, gcc -static) and pause-image.tar, the real node's
 #     sandbox image $C10M_PAUSE_IMAGE (an OCI archive, node/mkimage.sh)
 # Prints the cache directory holding the binaries on its last line.
@@ -13,7 +16,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/env.sh"
 
-key=$(cat "$here/go.sum" "$here/go.mod" "$here/build.sh" "$here/env.sh" "$here/node/pause.c" "$here/node/mkimage.sh" |
+key=$(cat "$here/go.sum" "$here/go.mod" "$here/build.sh" "$here/env.sh" "$here/kwok-ip-pool.patch" "$here/node/pause.c" "$here/node/mkimage.sh" |
   sha256sum | cut -c1-16)
 bin="$C10M_CACHE/bin/$key"
 
@@ -55,7 +58,14 @@ done
 echo "building etcd $ETCD_VERSION" >&2
 go build -trimpath -ldflags "-s -w" -o "$bin.tmp/etcd" ./cmd/etcd
 echo "installing kwok $KWOK_VERSION and helm $HELM_VERSION" >&2
-GOBIN="$bin.tmp" go install -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+kwok_src=$(GOFLAGS=-mod=mod go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+[[ -d "$kwok_src" ]] || { echo "build.sh: go mod download sigs.k8s.io/kwok@$KWOK_VERSION gave no source directory" >&2; exit 1; }
+rm -rf "$bin.tmp/kwok-src"
+cp -r "$kwok_src" "$bin.tmp/kwok-src"
+chmod -R u+w "$bin.tmp/kwok-src"
+patch -s -p1 -d "$bin.tmp/kwok-src" <"$here/kwok-ip-pool.patch"
+(cd "$bin.tmp/kwok-src" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" -o "$bin.tmp/kwok" ./cmd/kwok)
+rm -rf "$bin.tmp/kwok-src"
 GOBIN="$bin.tmp" go install -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 echo "building pause and $C10M_PAUSE_IMAGE" >&2
 gcc -static -O2 -s -o "$bin.tmp/pause" "$here/node/pause.c"

@@ -15,6 +15,8 @@ wanted=(
   ca-certificates:/etc/ssl/certs/ca-certificates.crt
   iproute2:ss
   util-linux:flock
+  # build.sh patches kwok (kwok-ip-pool.patch)
+  patch:patch
   prometheus:prometheus
   # the real node (node.sh): container runtime, CNI plugins, and gcc +
   # libc6-dev for its static pause binary (build.sh); iptables-save lists

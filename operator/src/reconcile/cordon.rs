@@ -205,6 +205,7 @@ mod tests {
             name: name.into(),
             ip: Some("127.0.0.1".into()),
             updated,
+            revision: None,
             cordoned: false,
             held: None,
             terminating: false,
