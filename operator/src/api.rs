@@ -76,6 +76,12 @@ pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
         description = "What limits connections per node"
     ),
     printcolumn(
+        name = "Progressing",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Progressing\")].reason",
+        description = "Reason of the Progressing condition: RollingOut while a rollout runs or an old shard drains, RolloutComplete after"
+    ),
+    printcolumn(
         name = "Nodes",
         type_ = "integer",
         json_path = ".status.plan.nodes",
@@ -904,7 +910,7 @@ pub struct Placement {
 /// cannot narrow the schema. A unit test pins it together with a SHA-256 of
 /// the CRD's `spec`: change the schema without raising this and that test
 /// fails, naming the new revision and digest to pin.
-pub const CRD_SCHEMA_REVISION: u32 = 3;
+pub const CRD_SCHEMA_REVISION: u32 = 4;
 
 /// The ConnectionFleet CRD as the operator installs it and `make crd`
 /// writes it: the types' CRD (`ConnectionFleet::crd()`) with annotation
@@ -951,8 +957,8 @@ mod tests {
     /// The schema revision and the SHA-256 (hex) of the CRD's canonical
     /// `spec` JSON ([`spec_digest`]) at that revision.
     const PINNED_SCHEMA: (u32, &str) = (
-        3,
-        "9fa6b594d04d77e5e82660c6954370dac9ca3d39f2599e719e5d21eb3e9186cc",
+        4,
+        "ed0e59d60871aa96e3acaa85438f78762473a192ac4c8de6547d3e65b314b67b",
     );
 
     /// `v` as JSON with every object's keys sorted and no whitespace: the

@@ -1,6 +1,6 @@
 //! Every condition type, condition/event reason and event action the
 //! operator writes, as enums: one vocabulary for `status.conditions` and the
-//! fleet's Events. The README's "Conditions and events" table lists the same
+//! fleet's Events. The "Conditions and events" table (`docs/conditions.md`) lists the same
 //! reasons (a test keeps them in step).
 
 use std::fmt;
@@ -341,25 +341,21 @@ mod tests {
         }
     }
 
-    /// The README's "Conditions and events" table names exactly these reasons.
+    /// The "Conditions and events" table (`docs/conditions.md`) names
+    /// exactly these reasons.
     #[test]
-    fn readme_table_lists_every_reason() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md");
-        let readme = std::fs::read_to_string(path).unwrap();
-        let section = readme
-            .split("## Conditions and events")
-            .nth(1)
-            .expect("README has a \"## Conditions and events\" section");
-        let section = section.split("\n## ").next().unwrap();
-        let in_readme: BTreeSet<&str> = section
+    fn the_conditions_table_lists_every_reason() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/conditions.md");
+        let section = std::fs::read_to_string(path).unwrap();
+        let in_table: BTreeSet<&str> = section
             .lines()
             .filter_map(|l| l.strip_prefix("| `"))
             .filter_map(|l| l.split('`').next())
             .collect();
         let in_code: BTreeSet<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
         assert_eq!(
-            in_readme, in_code,
-            "README reasons (left) and Reason::ALL (right) differ"
+            in_table, in_code,
+            "docs/conditions.md reasons (left) and Reason::ALL (right) differ"
         );
     }
 }

@@ -212,8 +212,17 @@ fn fleet_is_planned_deployed_replanned_and_deleted() {
     assert!(
         wide.contains("CONNECTIONS")
             && wide.contains("LIMIT")
+            && wide.contains("PROGRESSING")
             && wide.contains(&MORE_CONNECTIONS.to_string()),
         "{wide}"
+    );
+    // The re-plan rolls the shards: the column shows the Progressing
+    // condition's reason, whichever it is at that moment.
+    let row: Vec<&str> = wide.lines().nth(1).unwrap().split_whitespace().collect();
+    assert!(
+        row.iter()
+            .any(|c| ["RollingOut", "RolloutComplete"].contains(c)),
+        "the PROGRESSING column shows the Progressing reason: {wide}"
     );
 
     // Delete: owned objects are garbage-collected.
