@@ -143,6 +143,40 @@ stop_component() {
   rm -f "$PIDS/$name.pid" "$PIDS/$name.cmd"
 }
 
+# launch NAME RECORD COMMAND...: starts COMMAND detached in its own session
+# (it outlives the caller and inherits neither lock fd, 8 or 9), logging to
+# $LOGS/NAME.log, with its pid in $PIDS/NAME.pid and RECORD (its command
+# line and a fingerprint of its inputs) in $PIDS/NAME.cmd, unless NAME
+# already runs with the same RECORD and the caller's healthy_NAME succeeds.
+# A caller may define strays_NAME to print the pids of untracked NAME
+# processes (a pid file lost) to stop first. Returns 0 when it started a
+# process, 1 when one was already running.
+launch() {
+  local name=$1 record=$2 pid
+  shift 2
+  if pid=$(running_pid "$name"); then
+    if [[ "$(cat "$PIDS/$name.cmd" 2>/dev/null)" == "$record" ]] && "healthy_$name"; then
+      echo "  $name: already running and healthy (pid $pid)"
+      return 1
+    fi
+    echo "  $name: running (pid $pid) with another configuration, or unhealthy; restarting"
+  fi
+  stop_component "$name"
+  if declare -F "strays_$name" >/dev/null; then
+    for pid in $("strays_$name"); do stop_pid "untracked $name" "$pid"; done
+  fi
+  {
+    echo
+    echo "==== $(date -u +%FT%TZ) ${0##*/} starting $name"
+    echo "==== $*"
+  } >>"$LOGS/$name.log"
+  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 8>&- 9>&- &
+  pid=$!
+  echo "$pid" >"$PIDS/$name.pid"
+  printf '%s' "$record" >"$PIDS/$name.cmd"
+  echo "  $name: started (pid $pid, log $LOGS/$name.log)"
+}
+
 # log_tail NAME [LINES]: the end of a component's log, for error messages.
 log_tail() {
   local log="$LOGS/$1.log"

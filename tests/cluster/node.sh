@@ -129,13 +129,17 @@ pids_where() {
   return 0
 }
 
-health_containerd() { timeout 5 ctr -a "$SOCK" version >/dev/null 2>&1; }
-health_kubelet() { [[ "$(curl -fsS --noproxy '*' --max-time 2 "http://127.0.0.1:$C10M_KUBELET_HEALTHZ_PORT/healthz" 2>/dev/null)" == ok ]]; }
+# For launch (lib.sh): health checks, and processes of this node left
+# without a pid file.
+healthy_containerd() { timeout 5 ctr -a "$SOCK" version >/dev/null 2>&1; }
+strays_containerd() { pids_where containerd "$NODE_DIR/"; }
+strays_kubelet() { pids_where kubelet "$NODE_DIR/"; }
+healthy_kubelet() { [[ "$(curl -fsS --noproxy '*' --max-time 2 "http://127.0.0.1:$C10M_KUBELET_HEALTHZ_PORT/healthz" 2>/dev/null)" == ok ]]; }
 
 # wait_healthy NAME TIMEOUT
 wait_healthy() {
   local name=$1 deadline=$(($(date +%s) + $2))
-  until "health_$name"; do
+  until "healthy_$name"; do
     if ! pid_alive "$(cat "$PIDS/$name.pid" 2>/dev/null)"; then
       log_tail "$name"
       die "$name exited during startup"
@@ -146,34 +150,6 @@ wait_healthy() {
     fi
     sleep 0.1
   done
-}
-
-# launch NAME RECORD COMMAND...: starts COMMAND detached (its pid must end up
-# running NAME) unless NAME runs with the same RECORD and is healthy.
-launch() {
-  local name=$1 record=$2 pid
-  shift 2
-  if pid=$(running_pid "$name"); then
-    if [[ "$(cat "$PIDS/$name.cmd" 2>/dev/null)" == "$record" ]] && "health_$name"; then
-      echo "  $name: already running and healthy (pid $pid)"
-      return 0
-    fi
-    echo "  $name: running (pid $pid) with another configuration, or unhealthy; restarting"
-    stop_component "$name"
-  fi
-  local stray
-  stray=$(pids_where "$name" "$NODE_DIR/")
-  for pid in $stray; do stop_pid "untracked $name" "$pid"; done
-  {
-    echo
-    echo "==== $(date -u +%FT%TZ) node.sh starting $name"
-    echo "==== $*"
-  } >>"$LOGS/$name.log"
-  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 8>&- 9>&- &
-  pid=$!
-  echo "$pid" >"$PIDS/$name.pid"
-  printf '%s' "$record" >"$PIDS/$name.cmd"
-  echo "  $name: started (pid $pid, log $LOGS/$name.log)"
 }
 
 # ---------------------------------------------------------------- images
@@ -435,7 +411,8 @@ up() {
   local proxy=http://127.0.0.1:9
   record="$(command -v containerd) --config $ETC/containerd.toml proxy=$proxy # $(sha256sum <"$ETC/containerd.toml" | cut -c1-16)"
   launch containerd "$record" env HTTP_PROXY="$proxy" HTTPS_PROXY="$proxy" NO_PROXY= \
-    http_proxy="$proxy" https_proxy="$proxy" no_proxy= "$(command -v containerd)" --config "$ETC/containerd.toml"
+    http_proxy="$proxy" https_proxy="$proxy" no_proxy= "$(command -v containerd)" --config "$ETC/containerd.toml" ||
+    true # already running
   wait_healthy containerd 30
   pid=$(running_pid containerd)
   step_done "containerd $(containerd --version | awk '{ print $3 }') ready (socket $SOCK)"
@@ -466,7 +443,7 @@ up() {
     --node-ip="$NODE_IP" --node-labels="$labels" --v="${C10M_KUBELET_V:-1}")
   record="$(printf '%q ' "${cmd[@]}")# $(cat "$ETC/kubelet-config.yaml" "$KUBECONFIGS/kubelet.kubeconfig" \
     "$here/node/kubelet-ns.sh" | sha256sum | cut -c1-16)"
-  launch kubelet "$record" "${cmd[@]}"
+  launch kubelet "$record" "${cmd[@]}" || true # already running
   wait_healthy kubelet 60
   step_done "kubelet healthy (http://127.0.0.1:$C10M_KUBELET_HEALTHZ_PORT/healthz)"
 
@@ -627,7 +604,7 @@ down() {
   rm -f "$PIDS/kubelet.pid" "$PIDS/kubelet.cmd"
   for pid in $(pids_where kubelet "$NODE_DIR/"); do stop_pid "untracked kubelet" "$pid"; done
 
-  if running_pid containerd >/dev/null && health_containerd; then
+  if running_pid containerd >/dev/null && healthy_containerd; then
     ids+=" $(ctr_ containers ls -q 2>/dev/null | tr '\n' ' ' || true)"
     for i in $(ctr_ tasks ls -q 2>/dev/null || true); do
       ctr_ tasks rm -f "$i" >/dev/null 2>&1 || true
@@ -729,7 +706,7 @@ case ${1:-} in
   import)
     shift
     (($#)) || die "usage: $0 import FILE..."
-    health_containerd || die "the node's containerd is not running; run $0 up"
+    healthy_containerd || die "the node's containerd is not running; run $0 up"
     for f in "$@"; do import_archive "$f"; done
     ;;
   env) env_vars ;;

@@ -91,33 +91,7 @@ sd_bin() {
   echo "$root/target/debug/$SD"
 }
 
-# launch NAME RECORD CMD...: starts CMD detached unless NAME runs with the
-# same RECORD (command line + fingerprint) and healthy_NAME succeeds.
-# Returns 0 if it started a process, 1 if one was already running.
-launch() {
-  local name=$1 record=$2 pid
-  shift 2
-  if pid=$(running_pid "$name"); then
-    if [[ "$(cat "$PIDS/$name.cmd" 2>/dev/null)" == "$record" ]] && "healthy_$name"; then
-      echo "$name: already running (pid $pid)"
-      return 1
-    fi
-    echo "$name: running (pid $pid) with another command line or unhealthy; restarting"
-  fi
-  stop_component "$name"
-  {
-    echo
-    echo "==== $(date -u +%FT%TZ) prometheus.sh starting $name"
-    echo "==== $*"
-  } >>"$LOGS/$name.log"
-  # Own session: outlives this script; no inherited locks (fds 8, 9).
-  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 8>&- 9>&- &
-  pid=$!
-  echo "$pid" >"$PIDS/$name.pid"
-  printf '%s' "$record" >"$PIDS/$name.cmd"
-  echo "$name: started (pid $pid, log $LOGS/$name.log)"
-}
-
+# For launch (lib.sh).
 healthy_c10m-prom-sd() { [[ -s "$TARGETS" ]]; }
 healthy_prometheus() { ready; }
 
