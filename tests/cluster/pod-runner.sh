@@ -31,6 +31,9 @@ lock() {
   flock -w 300 8 || die "another pod-runner.sh holds $C10M_STATE/.pod-runner.lock"
 }
 
+# For launch (lib.sh): a runner started with the same binaries is kept.
+healthy_c10m-pod-runner() { true; }
+
 start() {
   [[ -f "$KUBECONFIG_PATH" ]] || die "$KUBECONFIG_PATH not found; run $here/up.sh first"
   local bin cmd record pid i off
@@ -47,32 +50,16 @@ start() {
   cmd=(env KUBECONFIG="$KUBECONFIG_PATH" "$bin" --server-bin "$SERVER_BIN" --log-dir "$POD_LOGS")
   # A rebuilt runner or server restarts the runner (and so every server).
   record="$(printf '%q ' "${cmd[@]}")# $(cat "$bin" "$SERVER_BIN" | sha256sum | cut -c1-16)"
-  if pid=$(running_pid "$NAME"); then
-    if [[ "$(cat "$PIDS/$NAME.cmd" 2>/dev/null)" == "$record" ]]; then
-      echo "$NAME: already running (pid $pid)"
-      return 0
-    fi
-    echo "$NAME: running (pid $pid) with another command line or binary; restarting"
-  fi
-  stop_component "$NAME"
   off=$(stat -c %s "$LOGS/$NAME.log" 2>/dev/null || echo 0)
-  {
-    echo
-    echo "==== $(date -u +%FT%TZ) pod-runner.sh starting $NAME"
-    echo "==== ${cmd[*]}"
-  } >>"$LOGS/$NAME.log"
-  # Own session: outlives this script; no inherited locks (fds 8, 9).
-  setsid "${cmd[@]}" </dev/null >>"$LOGS/$NAME.log" 2>&1 8>&- 9>&- &
-  pid=$!
-  echo "$pid" >"$PIDS/$NAME.pid"
-  printf '%s' "$record" >"$PIDS/$NAME.cmd"
+  launch "$NAME" "$record" "${cmd[@]}" || return 0
+  pid=$(cat "$PIDS/$NAME.pid")
   # Up once it has logged that it watches (or at least is alive after 10 s).
   for ((i = 0; i < 100; i++)); do
     pid_alive "$pid" || { log_tail "$NAME"; die "$NAME (pid $pid) exited during startup"; }
     tail -c "+$((off + 1))" "$LOGS/$NAME.log" | grep 'watching pods' >/dev/null && [[ "$(exe_name "$pid")" == "$NAME" ]] && break
     sleep 0.1
   done
-  echo "$NAME: started (pid $pid, log $LOGS/$NAME.log, servers' logs $POD_LOGS)"
+  echo "  $NAME: watching pods (servers' logs $POD_LOGS)"
 }
 
 stop() {
