@@ -404,6 +404,13 @@ pub struct RolloutSpec {
     /// shard's cap ÷ its drain rate + 5 s apart
     /// (status.plan.rolloutStepSeconds).
     pub max_reconnect_rate: Option<i64>,
+    /// Holds the rollout (default false): no step starts (no surge shard
+    /// is added, no old shard removed) until it is false again; a step
+    /// already draining finishes. Declarative, for GitOps: the operator
+    /// pauses the Deployment (`spec.paused`) and marks it, and resumes only
+    /// a pause of its own; `kubectl rollout pause` of the Deployment works
+    /// as well and is left to whoever made it.
+    pub paused: Option<bool>,
 }
 
 impl RolloutSpec {
@@ -910,7 +917,7 @@ pub struct Placement {
 /// cannot narrow the schema. A unit test pins it together with a SHA-256 of
 /// the CRD's `spec`: change the schema without raising this and that test
 /// fails, naming the new revision and digest to pin.
-pub const CRD_SCHEMA_REVISION: u32 = 4;
+pub const CRD_SCHEMA_REVISION: u32 = 5;
 
 /// The ConnectionFleet CRD as the operator installs it and `make crd`
 /// writes it: the types' CRD (`ConnectionFleet::crd()`) with annotation
@@ -957,8 +964,8 @@ mod tests {
     /// The schema revision and the SHA-256 (hex) of the CRD's canonical
     /// `spec` JSON ([`spec_digest`]) at that revision.
     const PINNED_SCHEMA: (u32, &str) = (
-        4,
-        "ed0e59d60871aa96e3acaa85438f78762473a192ac4c8de6547d3e65b314b67b",
+        5,
+        "148405da0d32ede2496340612b4a6a5b900cf58b98ea0ad287fac70962d1ee56",
     );
 
     /// `v` as JSON with every object's keys sorted and no whitespace: the

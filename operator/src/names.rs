@@ -49,6 +49,12 @@ pub const CORDONED_ANNOTATION: &str = "c10m.dev/cordoned";
 /// drain ([`crate::rollout::template_waits`], ADR 0011).
 pub const RESTARTED_AT_ANNOTATION: &str = "c10m.dev/restarted-at";
 
+/// Deployment annotation (`"true"`) the operator sets when it pauses the
+/// Deployment for the fleet's `spec.rollout.paused`, and removes as it
+/// resumes it: it resumes only a pause of its own, never one made with
+/// `kubectl rollout pause` ([`crate::rollout::pause_order`]).
+pub const PAUSED_BY_FLEET_ANNOTATION: &str = "c10m.dev/paused-by-fleet";
+
 /// Annotation on the ConnectionFleet CRD: the schema revision it carries
 /// ([`crate::api::CRD_SCHEMA_REVISION`] of the operator that generated it),
 /// a decimal integer. An operator never applies its CRD over one carrying a

@@ -504,6 +504,15 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
             Err(error) => return Err(self::failed(&plan, Some(looped), error)),
         } // client required
     };
+    let want_paused = fleet.spec.rollout.paused == Some(true);
+    let deployment = match rollout::pause_order(want_paused, &deployment) {
+        // no client required
+        None => deployment,
+        Some(paused) => match apply::paused(&ctx.client, &ns, &name, paused).await {
+            Ok(deployment) => deployment,
+            Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+        }, // client required
+    };
     Ok(Ended::Applied {
         plan,
         looped,

@@ -42,7 +42,9 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::api::status::RolloutStatus;
 use crate::autoscale::observe::ready_condition;
-use crate::names::{CORDONED_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION};
+use crate::names::{
+    CORDONED_ANNOTATION, PAUSED_BY_FLEET_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION,
+};
 
 /// Milliseconds added to a step's drain (before it is rounded up to whole
 /// seconds) for clients that raced the cordon onto an old shard: the
@@ -505,6 +507,29 @@ pub fn current_revision(replica_sets: &[ReplicaSet]) -> Option<(i64, String)> {
             Some((revision(rs)?, hash.clone()))
         })
         .max_by_key(|(revision, _)| *revision)
+}
+
+/// What the fleet's `spec.rollout.paused` (`paused`) asks of its
+/// `deployment`: `Some(true)` to pause it (and mark the pause as the
+/// fleet's, [`PAUSED_BY_FLEET_ANNOTATION`]), `Some(false)` to resume a pause
+/// the fleet made, `None` for nothing. A Deployment already paused by
+/// someone else (`kubectl rollout pause`) is left alone either way.
+pub fn pause_order(paused: bool, deployment: &Deployment) -> Option<bool> {
+    let is_paused = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.paused)
+        .unwrap_or(false);
+    let by_fleet = deployment
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(PAUSED_BY_FLEET_ANNOTATION));
+    match (paused, is_paused, by_fleet) {
+        (true, false, _) => Some(true),
+        (false, _, true) => Some(false),
+        _ => None,
+    }
 }
 
 /// The revision of `rs` ([`REVISION_ANNOTATION`]), `None` without a
@@ -974,6 +999,36 @@ mod tests {
         assert_eq!(st3.draining_shards, 2, "the two r1 shards drain");
         assert_eq!(st3.draining_until, Some(Time(at(12 + 11))));
         assert_eq!(st3.closes_per_second, 200);
+    }
+
+    /// `spec.rollout.paused` pauses the Deployment and resumes only a
+    /// pause of its own; a `kubectl rollout pause` is left alone.
+    #[test]
+    fn the_fleet_resumes_only_its_own_pause() {
+        let d = |paused: bool, by_fleet: bool| -> Deployment {
+            let mut d = deployment(4, 0, paused);
+            if by_fleet {
+                d.metadata.annotations =
+                    Some([(PAUSED_BY_FLEET_ANNOTATION.to_string(), "true".to_string())].into());
+            }
+            d
+        };
+        assert_eq!(pause_order(true, &d(false, false)), Some(true));
+        assert_eq!(pause_order(true, &d(true, true)), None, "paused already");
+        assert_eq!(
+            pause_order(true, &d(true, false)),
+            None,
+            "kubectl's pause, kept"
+        );
+        assert_eq!(pause_order(false, &d(true, true)), Some(false), "resumed");
+        assert_eq!(
+            pause_order(false, &d(true, false)),
+            None,
+            "kubectl's pause, kept"
+        );
+        assert_eq!(pause_order(false, &d(false, false)), None);
+        // Resumed by kubectl while the fleet's mark stayed: the mark goes.
+        assert_eq!(pause_order(false, &d(false, true)), Some(false));
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //!
 //! The test rolls 4 shards of 1,000 clients each at a 200/s budget
 //! (`drain.rate` 100: two shards a step, 20 s of closes in all), paused for
-//! 10 s before its first step. `make bench-rollout` runs the same roll with
+//! 10 s before its first step through the fleet's `spec.rollout.paused`. `make bench-rollout` runs the same roll with
 //! 8 shards and 16,000 clients (`bench_rollout`, ignored in `make test`) and
 //! writes `target/bench/rollout.json`. The same 4-shard roll runs again
 //! with two elected operators, the leader SIGKILLed as the first step
@@ -63,7 +63,7 @@ struct Roll {
     /// spec.backend.connectionsPerCpu (1-CPU shards): sized so that the
     /// plan gives `shards` shards for `clients`.
     per_cpu: u64,
-    /// Held paused (`kubectl rollout pause`) this long before its first
+    /// Held paused (the fleet's `spec.rollout.paused`) this long before its first
     /// step, if at all.
     pause: Option<Duration>,
     /// Two operators elect a leader (the chart's default), and the leader
@@ -320,10 +320,16 @@ fn roll(r: &Roll) -> Value {
     let new_hash = wait_for("the new ReplicaSet", Duration::from_secs(30), || {
         newest_hash(ns).filter(|h| *h != old_hash)
     });
-    // Paused before its first step: updated shards come up, the old ones
-    // are cordoned, and none drains.
+    // Paused before its first step, through the fleet (`spec.rollout.paused`,
+    // as a GitOps tool would): updated shards come up, the old ones are
+    // cordoned, and none drains.
+    let pause_fleet = |paused: bool| {
+        let patch = format!(r#"{{"spec":{{"rollout":{{"paused":{paused}}}}}}}"#);
+        let fleet = format!("connectionfleet/{FLEET}");
+        kubectl(&["patch", "-n", ns, &fleet, "--type", "merge", "-p", &patch]);
+    };
     if r.pause.is_some() {
-        kubectl(&["rollout", "pause", "-n", ns, &deployment]);
+        pause_fleet(true);
     }
     let pod_start = wait_for("an updated shard", Duration::from_secs(30), || {
         pods(ns)
@@ -366,7 +372,7 @@ fn roll(r: &Roll) -> Value {
         assert_eq!(old_left, shards, "a step started while paused");
         paused_for = paused_at.elapsed();
         paused_window = Some((from.as_secs(), (from + paused_for).as_secs()));
-        kubectl(&["rollout", "resume", "-n", ns, &deployment]);
+        pause_fleet(false);
     } else {
         wait_for("the old shards cordoned", Duration::from_secs(30), || {
             let now = pods(ns);

@@ -16,7 +16,9 @@ use serde::de::DeserializeOwned;
 
 use super::Error;
 use super::cache::{self, Cache};
-use crate::names::{FIELD_MANAGER, ROLLOUT_FIELD_MANAGER, labels, secret_name};
+use crate::names::{
+    FIELD_MANAGER, PAUSED_BY_FLEET_ANNOTATION, ROLLOUT_FIELD_MANAGER, labels, secret_name,
+};
 use crate::render::Rendered;
 
 async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
@@ -97,17 +99,51 @@ pub async fn min_ready_seconds(
     seconds: i32,
 ) -> Result<Deployment, Error> {
     let patch = serde_json::json!({"spec": {"minReadySeconds": seconds}});
+    let what = || format!("set minReadySeconds of Deployment {name} to {seconds}");
+    rollout_patch(client, ns, name, &patch, what).await
+}
+
+/// Merge-patches the Deployment `name` with `patch` under
+/// [`ROLLOUT_FIELD_MANAGER`], and returns it as stored; `what` names the
+/// change in the error.
+async fn rollout_patch(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    patch: &serde_json::Value,
+    what: impl FnOnce() -> String,
+) -> Result<Deployment, Error> {
     let pp = PatchParams {
         field_manager: Some(ROLLOUT_FIELD_MANAGER.into()),
         ..Default::default()
     };
     Api::<Deployment>::namespaced(client.clone(), ns)
-        .patch(name, &pp, &Patch::Merge(&patch))
+        .patch(name, &pp, &Patch::Merge(patch))
         .await
         .map_err(|source| Error::Apply {
-            what: format!("set minReadySeconds of Deployment {name} to {seconds}"),
+            what: what(),
             source,
         })
+}
+
+/// Pauses (`paused`) or resumes the Deployment `name` for the fleet's
+/// `spec.rollout.paused` ([`crate::rollout::pause_order`]): a merge patch of
+/// `spec.paused` and [`PAUSED_BY_FLEET_ANNOTATION`] (set while paused)
+/// under [`ROLLOUT_FIELD_MANAGER`]; returns the Deployment as stored.
+pub async fn paused(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    paused: bool,
+) -> Result<Deployment, Error> {
+    let mark = paused.then_some("true");
+    let patch = serde_json::json!({
+        "metadata": {"annotations": {PAUSED_BY_FLEET_ANNOTATION: mark}},
+        "spec": {"paused": paused},
+    });
+    let verb = if paused { "pause" } else { "resume" };
+    let what = || format!("{verb} Deployment {name} (spec.rollout.paused)");
+    rollout_patch(client, ns, name, &patch, what).await
 }
 
 /// The token an admin Secret holds under [`TOKEN_KEY`], as both sides read
