@@ -238,6 +238,28 @@ pub fn wait_fleet_ready(ns: &str, name: &str, timeout: Duration) -> Value {
     })
 }
 
+/// Waits up to `timeout` until fleet `name` in `ns` has its condition
+/// `type_` at `status` (`"True"`, `"False"`), with `reason` when given, for
+/// its current generation, and returns the fleet.
+pub fn wait_condition(
+    ns: &str,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: Option<&str>,
+    timeout: Duration,
+) -> Value {
+    let what = format!("fleet {name} {type_}={status} {}", reason.unwrap_or(""));
+    wait_for(&what, timeout, || {
+        let f = get_json(ns, "connectionfleet", name)?;
+        let c = condition(&f, type_)?;
+        (c["status"] == status
+            && reason.is_none_or(|r| c["reason"] == r)
+            && f["status"]["observedGeneration"] == f["metadata"]["generation"])
+            .then_some(f)
+    })
+}
+
 /// The pods of fleet `fleet` in `ns` (label `c10m.dev/fleet`), as
 /// `kubectl get -o json` items; empty when kubectl fails.
 pub fn fleet_pods(ns: &str, fleet: &str) -> Vec<Value> {

@@ -349,10 +349,14 @@ fn operator_reports_what_the_schema_cannot_and_recovers() {
         &fleet_manifest("too-big", 1000, "").replace("cpus: 2", "cpus: 128"),
     );
     assert!(ok, "{out}");
-    let fleet = wait_for("Degraded PlanInfeasible", MINUTE, || {
-        let f = get_json(ns, "connectionfleet", "too-big")?;
-        (condition(&f, "Degraded")?["reason"] == "PlanInfeasible").then_some(f)
-    });
+    let fleet = wait_condition(
+        ns,
+        "too-big",
+        "Degraded",
+        "True",
+        Some("PlanInfeasible"),
+        MINUTE,
+    );
     let degraded = condition(&fleet, "Degraded").unwrap();
     assert_eq!(degraded["status"], "True");
     assert!(
@@ -398,10 +402,14 @@ fn operator_reports_what_the_schema_cannot_and_recovers() {
         .replace("minShards: 3", "minShards: 1\n    maxShards: 1");
     let (ok, out) = apply(ns, &capped);
     assert!(ok, "{out}");
-    let f = wait_for("Degraded MaxShardsReached", MINUTE, || {
-        let f = get_json(ns, "connectionfleet", "too-big")?;
-        (condition(&f, "Degraded")?["reason"] == "MaxShardsReached").then_some(f)
-    });
+    let f = wait_condition(
+        ns,
+        "too-big",
+        "Degraded",
+        "True",
+        Some("MaxShardsReached"),
+        MINUTE,
+    );
     assert!(
         condition(&f, "Degraded").unwrap()["message"]
             .as_str()
@@ -571,10 +579,14 @@ fn objects_the_fleet_does_not_own_are_never_taken_over() {
     let before = get_json(ns, "service", "api").unwrap();
     let (ok, out) = apply(ns, &fleet_manifest("api", 1000, ""));
     assert!(ok, "{out}");
-    let fleet = wait_for("Degraded ObjectConflict", MINUTE, || {
-        let f = get_json(ns, "connectionfleet", "api")?;
-        (condition(&f, "Degraded")?["reason"] == "ObjectConflict").then_some(f)
-    });
+    let fleet = wait_condition(
+        ns,
+        "api",
+        "Degraded",
+        "True",
+        Some("ObjectConflict"),
+        MINUTE,
+    );
     let msg = condition(&fleet, "Degraded").unwrap()["message"]
         .as_str()
         .unwrap()
@@ -622,10 +634,14 @@ fn pods_refused_by_pod_security_degrade_the_fleet_with_a_hint_until_fixed() {
     let applied = Instant::now();
     let (ok, out) = apply(ns, &fleet_manifest("guarded", 1_000_000, NO_FAILURE_DOMAIN));
     assert!(ok, "{out}");
-    let fleet = wait_for("Degraded PodSecurityForbidden", MINUTE, || {
-        let f = get_json(ns, "connectionfleet", "guarded")?;
-        (condition(&f, "Degraded")?["reason"] == "PodSecurityForbidden").then_some(f)
-    });
+    let fleet = wait_condition(
+        ns,
+        "guarded",
+        "Degraded",
+        "True",
+        Some("PodSecurityForbidden"),
+        MINUTE,
+    );
     eprintln!(
         "Degraded=True PodSecurityForbidden {:.1} s after the apply",
         applied.elapsed().as_secs_f64()
@@ -865,10 +881,14 @@ fn a_broken_admin_secret_degrades_its_fleet_only() {
         ns,
         "e2e.c10m.dev/poke=1",
     ]);
-    let alpha = wait_for("alpha Degraded ReconcileFailed", MINUTE, || {
-        let f = get_json(ns, "connectionfleet", "alpha")?;
-        (condition(&f, "Degraded")?["reason"] == "ReconcileFailed").then_some(f)
-    });
+    let alpha = wait_condition(
+        ns,
+        "alpha",
+        "Degraded",
+        "True",
+        Some("ReconcileFailed"),
+        MINUTE,
+    );
     let degraded = condition(&alpha, "Degraded").unwrap();
     assert_eq!(degraded["status"], "True");
     assert!(
@@ -928,10 +948,7 @@ fn a_broken_admin_secret_degrades_its_fleet_only() {
         "--overwrite",
         "e2e.c10m.dev/poke=2",
     ]);
-    let alpha = wait_for("alpha recovered", MINUTE, || {
-        let f = get_json(ns, "connectionfleet", "alpha")?;
-        (condition(&f, "Degraded")?["status"] == "False").then_some(f)
-    });
+    let alpha = wait_condition(ns, "alpha", "Degraded", "False", None, MINUTE);
     assert_eq!(condition(&alpha, "Ready").unwrap()["status"], "True");
     let secret = get_json(ns, "secret", "alpha-admin").expect("a new Secret");
     assert!(

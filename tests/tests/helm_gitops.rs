@@ -402,10 +402,7 @@ fn helm_lifecycle_with_least_privilege_rbac() {
     ]);
     let (ok, out) = apply(fns, &fleet("edge", 20_000_000));
     assert!(ok, "{out}");
-    let f = wait_for("Degraded ApplyFailed", MINUTE, || {
-        let f = get_json(fns, "connectionfleet", "edge")?;
-        (condition(&f, "Degraded")?["reason"] == "ApplyFailed").then_some(f)
-    });
+    let f = wait_condition(fns, "edge", "Degraded", "True", Some("ApplyFailed"), MINUTE);
     let msg = condition(&f, "Degraded").unwrap()["message"]
         .as_str()
         .unwrap()

@@ -382,10 +382,7 @@ fn c_a_prometheus_outage_never_scales_down_and_recovers() {
     Prometheus::stop();
     let report = load.finish();
     assert!(report["closedByServer"].as_u64().is_some());
-    let f = wait_for("MetricsAvailable=False", MINUTE, || {
-        let f = s.fleet("outage");
-        (condition(&f, "MetricsAvailable")?["status"] == "False").then_some(f)
-    });
+    let f = wait_condition(s.ns(), "outage", "MetricsAvailable", "False", None, MINUTE);
     assert_eq!(
         condition(&f, "MetricsAvailable").unwrap()["reason"],
         "PrometheusUnreachable"
@@ -406,10 +403,7 @@ fn c_a_prometheus_outage_never_scales_down_and_recovers() {
     // Prometheus returns: metrics available again, and with no load the fleet scales in.
     let prom = Prometheus::ensure();
     assert_eq!(prom, s.prom);
-    let f = wait_for("MetricsAvailable=True again", MINUTE, || {
-        let f = s.fleet("outage");
-        (condition(&f, "MetricsAvailable")?["status"] == "True").then_some(f)
-    });
+    let f = wait_condition(s.ns(), "outage", "MetricsAvailable", "True", None, MINUTE);
     assert!(desired(&f) >= 2);
     wait_for("scale-in to the floor after recovery", MINUTE, || {
         (desired(&s.fleet("outage")) == 2).then_some(())

@@ -762,13 +762,13 @@ spec:
 
     let restarted = Instant::now();
     kubectl(&["rollout", "restart", "-n", ns, "deployment/full"]);
-    let f = wait_for(
-        "Degraded ShardUnschedulable",
+    let f = wait_condition(
+        ns,
+        "full",
+        "Degraded",
+        "True",
+        Some("ShardUnschedulable"),
         Duration::from_secs(30),
-        || {
-            let f = get_json(ns, "connectionfleet", "full")?;
-            (condition(&f, "Degraded")?["reason"] == "ShardUnschedulable").then_some(f)
-        },
     );
     println!(
         "FIGURE surge_unschedulable_reported_seconds={:.1}",

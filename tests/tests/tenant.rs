@@ -9,7 +9,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use c10m_e2e::*;
-use serde_json::Value;
 
 const MINUTE: Duration = Duration::from_secs(60);
 
@@ -102,23 +101,6 @@ fn fleet(name: &str, extra: &str) -> String {
     )
 }
 
-/// Waits until the fleet's condition `type_` is `status` with `reason` for
-/// its current generation, and returns the fleet.
-fn wait_condition(ns: &str, name: &str, type_: &str, status: &str, reason: &str) -> Value {
-    wait_for(
-        &format!("{name}: {type_}={status} {reason}"),
-        MINUTE,
-        || {
-            let f = get_json(ns, "connectionfleet", name)?;
-            let c = condition(&f, type_)?;
-            (c["status"] == status
-                && c["reason"] == reason
-                && f["status"]["observedGeneration"] == f["metadata"]["generation"])
-                .then_some(f)
-        },
-    )
-}
-
 /// A policy file for an operator, in `target/e2e-logs/`.
 fn policy_file(name: &str, yaml: &str) -> PathBuf {
     let dir = workspace().join("target/e2e-logs");
@@ -172,7 +154,14 @@ fn a_tenant_cannot_reach_past_the_policy() {
             &format!("  placement:\n    tolerations:\n    - {toleration}\n"),
         ));
         assert!(ok, "{out}");
-        let f = wait_condition(ns, name, "Degraded", "True", "TolerationNotAllowed");
+        let f = wait_condition(
+            ns,
+            name,
+            "Degraded",
+            "True",
+            Some("TolerationNotAllowed"),
+            MINUTE,
+        );
         let message = condition(&f, "Degraded").unwrap()["message"]
             .as_str()
             .unwrap()
@@ -199,7 +188,14 @@ fn a_tenant_cannot_reach_past_the_policy() {
     //    years; the fleet runs, and says its drain cannot finish.
     let (ok, out) = tenant.apply(&fleet("slow-drain", "  drain:\n    rate: 1\n"));
     assert!(ok, "{out}");
-    let f = wait_condition(ns, "slow-drain", "Degraded", "True", "DrainCannotFinish");
+    let f = wait_condition(
+        ns,
+        "slow-drain",
+        "Degraded",
+        "True",
+        Some("DrainCannotFinish"),
+        MINUTE,
+    );
     let plan = &f["status"]["plan"];
     assert_eq!(plan["drainCutByPolicy"], true, "{plan}");
     assert_eq!(plan["terminationGracePeriodSeconds"], 3600, "{plan}");
@@ -235,7 +231,7 @@ fn a_tenant_cannot_reach_past_the_policy() {
         "  metrics:\n    connectionsQuery: 'sum by (pod) (c10m_connections{namespace=\"kube-system\"})'\n",
     ));
     assert!(ok, "{out}");
-    let f = wait_condition(ns, "peek", "Degraded", "True", "InvalidSpec");
+    let f = wait_condition(ns, "peek", "Degraded", "True", Some("InvalidSpec"), MINUTE);
     let message = condition(&f, "Degraded").unwrap()["message"]
         .as_str()
         .unwrap()
@@ -278,7 +274,8 @@ fn the_admin_policy_file_decides_init_containers_images_and_ceilings() {
         "privileged",
         "Degraded",
         "True",
-        "SysctlModeNotAllowed",
+        Some("SysctlModeNotAllowed"),
+        MINUTE,
     );
     let message = condition(&f, "Degraded").unwrap()["message"]
         .as_str()
@@ -298,7 +295,14 @@ fn the_admin_policy_file_decides_init_containers_images_and_ceilings() {
         "  sysctls:\n    mode: PodSecurityContext\n",
     ));
     assert!(ok, "{out}");
-    wait_condition(cns, "unprivileged", "Ready", "True", "ShardsReady");
+    wait_condition(
+        cns,
+        "unprivileged",
+        "Ready",
+        "True",
+        Some("ShardsReady"),
+        MINUTE,
+    );
 
     // A namespace it lists: the init container runs the policy's image, and
     // the node's conntrack table is raised no further than the ceiling.
@@ -325,7 +329,14 @@ fn the_admin_policy_file_decides_init_containers_images_and_ceilings() {
     // 1,841,480; under it, smaller shards (more of them) fit 1,200,000.
     let (ok, out) = open.apply(&fleet("tuned", "").replace("cpus: 2", "cpus: 16"));
     assert!(ok, "{out}");
-    let f = wait_condition(ons, "tuned", "SysctlsApplied", "True", "CappedByPolicy");
+    let f = wait_condition(
+        ons,
+        "tuned",
+        "SysctlsApplied",
+        "True",
+        Some("CappedByPolicy"),
+        MINUTE,
+    );
     let plan = &f["status"]["plan"];
     assert_eq!(
         plan["sysctlsCapped"]["net.netfilter.nf_conntrack_max"], "1200000",
@@ -391,7 +402,14 @@ fn the_admin_policy_file_decides_node_selectors_queries_and_kernel_claims() {
         "  placement:\n    nodeSelector:\n      kubernetes.io/hostname: kwok-node-1\n",
     ));
     assert!(ok, "{out}");
-    let f = wait_condition(ns, "pinned", "Degraded", "True", "NodeSelectorNotAllowed");
+    let f = wait_condition(
+        ns,
+        "pinned",
+        "Degraded",
+        "True",
+        Some("NodeSelectorNotAllowed"),
+        MINUTE,
+    );
     let message = condition(&f, "Degraded").unwrap()["message"]
         .as_str()
         .unwrap()
@@ -421,7 +439,14 @@ fn the_admin_policy_file_decides_node_selectors_queries_and_kernel_claims() {
         "  metrics:\n    connectionsQuery: 'sum by (pod) (c10m_connections{cluster=\"us-2\"})'\n",
     ));
     assert!(ok, "{out}");
-    let f = wait_condition(ns, "elsewhere", "Degraded", "True", "InvalidSpec");
+    let f = wait_condition(
+        ns,
+        "elsewhere",
+        "Degraded",
+        "True",
+        Some("InvalidSpec"),
+        MINUTE,
+    );
     let message = condition(&f, "Degraded").unwrap()["message"]
         .as_str()
         .unwrap()
@@ -442,7 +467,7 @@ fn the_admin_policy_file_decides_node_selectors_queries_and_kernel_claims() {
         "  placement:\n    nodeSelector:\n      c10m.dev/pool: edge\n  node:\n    kernelBytesPerSocket: 0\n    conntrack: false\n  autoscaling:\n    enabled: true\n    syncPeriodSeconds: 2\n",
     ));
     assert!(ok, "{out}");
-    let f = wait_condition(ns, "pooled", "Ready", "True", "ShardsReady");
+    let f = wait_condition(ns, "pooled", "Ready", "True", Some("ShardsReady"), MINUTE);
     let plan = &f["status"]["plan"];
     assert_eq!(
         plan["nodeSource"]["kernelBytesPerSocket"], "SpecNotTrusted",
@@ -452,7 +477,14 @@ fn the_admin_policy_file_decides_node_selectors_queries_and_kernel_claims() {
     assert_eq!(plan["nodeSource"]["memory"], "Cluster", "{plan}");
     let kernel = plan["bytesPerConnection"]["kernel"].as_i64().unwrap();
     assert!(kernel >= 3965 + 256, "{plan}");
-    let f = wait_condition(ns, "pooled", "MetricsAvailable", "False", "NoSamples");
+    let f = wait_condition(
+        ns,
+        "pooled",
+        "MetricsAvailable",
+        "False",
+        Some("NoSamples"),
+        MINUTE,
+    );
     let message = condition(&f, "MetricsAvailable").unwrap()["message"]
         .as_str()
         .unwrap()
