@@ -474,11 +474,7 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     let (rollout, gate) = rollout
         .after(&done)
         .pace(previous, &pace, Timestamp::now(), min_ready); // no client required
-    let behind = deployment
-        .status
-        .as_ref()
-        .and_then(|s| s.observed_generation)
-        < deployment.metadata.generation;
+    let behind = !status::deployment_observed(&deployment);
     let held = waits.filter(|_| held);
     let (rollout, gate) = rollout.hold(gate, min_ready, held, behind, &pace); // no client required
     let deployment = if min_ready == Some(gate) {

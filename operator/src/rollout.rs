@@ -194,7 +194,7 @@ fn next_step<'a>(old: &[&'a Shard], surge: i64) -> impl Iterator<Item = &'a Shar
     let mut ranks: Vec<_> = old.iter().map(|s| rank(s)).collect();
     ranks.sort_unstable();
     let removed = usize::try_from(surge.max(1)).unwrap_or(usize::MAX);
-    let last = ranks.get(removed.min(ranks.len()).wrapping_sub(1)).copied();
+    let last = (removed.min(ranks.len()).checked_sub(1)).and_then(|i| ranks.get(i).copied());
     old.iter()
         .copied()
         .filter(move |s| last.is_some_and(|l| rank(s) <= l))
@@ -509,23 +509,27 @@ pub fn current_revision(replica_sets: &[ReplicaSet]) -> Option<(i64, String)> {
         .max_by_key(|(revision, _)| *revision)
 }
 
+/// Whether `deployment` is paused (`spec.paused`), by anyone.
+fn is_paused(deployment: &Deployment) -> bool {
+    deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.paused)
+        .unwrap_or(false)
+}
+
 /// What the fleet's `spec.rollout.paused` (`paused`) asks of its
 /// `deployment`: `Some(true)` to pause it (and mark the pause as the
 /// fleet's, [`PAUSED_BY_FLEET_ANNOTATION`]), `Some(false)` to resume a pause
 /// the fleet made, `None` for nothing. A Deployment already paused by
 /// someone else (`kubectl rollout pause`) is left alone either way.
 pub fn pause_order(paused: bool, deployment: &Deployment) -> Option<bool> {
-    let is_paused = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.paused)
-        .unwrap_or(false);
     let by_fleet = deployment
         .metadata
         .annotations
         .as_ref()
         .is_some_and(|a| a.contains_key(PAUSED_BY_FLEET_ANNOTATION));
-    match (paused, is_paused, by_fleet) {
+    match (paused, is_paused(deployment), by_fleet) {
         (true, false, _) => Some(true),
         (false, _, true) => Some(false),
         _ => None,
@@ -581,11 +585,7 @@ pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod
         old_shards: old(false),
         cordoned_shards: cordoned(&shards),
         draining_shards: old(true),
-        paused: deployment
-            .spec
-            .as_ref()
-            .and_then(|s| s.paused)
-            .unwrap_or(false),
+        paused: is_paused(deployment),
         ..Default::default()
     });
     let old_replicas = replica_sets

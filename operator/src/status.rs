@@ -113,6 +113,17 @@ impl WorkloadFailure {
     }
 }
 
+/// Whether the Deployment controller has observed `deployment`'s latest
+/// generation (`status.observedGeneration` ≥ `metadata.generation`): its
+/// status and ReplicaSets then reflect the spec as applied.
+pub fn deployment_observed(deployment: &Deployment) -> bool {
+    deployment
+        .status
+        .as_ref()
+        .and_then(|s| s.observed_generation)
+        >= deployment.metadata.generation
+}
+
 /// The first failure of the fleet's workload, most specific first:
 ///
 /// 1. a `ReplicaFailure` condition (`FailedCreate`) on one of the

@@ -602,7 +602,7 @@ down() {
   ids=$(find "$CRI_ROOT/sandboxes" -mindepth 1 -maxdepth 1 -printf '%f ' 2>/dev/null || true)
   if running_pid kubelet >/dev/null; then stop_component kubelet >/dev/null; fi
   rm -f "$PIDS/kubelet.pid" "$PIDS/kubelet.cmd"
-  for pid in $(pids_where kubelet "$NODE_DIR/"); do stop_pid "untracked kubelet" "$pid"; done
+  for pid in $(strays_kubelet); do stop_pid "untracked kubelet" "$pid"; done
 
   if running_pid containerd >/dev/null && healthy_containerd; then
     ids+=" $(ctr_ containers ls -q 2>/dev/null | tr '\n' ' ' || true)"

@@ -231,11 +231,7 @@ pub fn get_json(ns: &str, kind: &str, name: &str) -> Option<Value> {
 /// Waits up to `timeout` until fleet `name` in `ns` is Ready for its
 /// current generation, and returns it.
 pub fn wait_fleet_ready(ns: &str, name: &str, timeout: Duration) -> Value {
-    wait_for(&format!("fleet {name} Ready"), timeout, || {
-        let f = get_json(ns, "connectionfleet", name)?;
-        let ready = condition(&f, "Ready")?["status"] == "True";
-        (ready && f["status"]["observedGeneration"] == f["metadata"]["generation"]).then_some(f)
-    })
+    wait_condition(ns, name, "Ready", "True", None, timeout)
 }
 
 /// Waits up to `timeout` until fleet `name` in `ns` has its condition

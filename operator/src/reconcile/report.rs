@@ -77,7 +77,7 @@ pub async fn report(
                 ready: st.ready_replicas.unwrap_or(0),
                 updated: st.updated_replicas.unwrap_or(0),
                 total: st.replicas.unwrap_or(0),
-                observed: st.observed_generation >= deployment.metadata.generation,
+                observed: status::deployment_observed(&deployment),
             };
             (
                 Outcome::Applied {
