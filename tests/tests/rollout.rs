@@ -12,8 +12,9 @@
 //!
 //! The test rolls 4 shards of 1,000 clients each at a 200/s budget
 //! (`drain.rate` 100: two shards a step, 20 s of closes in all), paused for
-//! 10 s before its first step through the fleet's `spec.rollout.paused`. `make bench-rollout` runs the same roll with
-//! 8 shards and 16,000 clients (`bench_rollout`, ignored in `make test`) and
+//! 10 s before its first step through the fleet's `spec.rollout.paused`.
+//! `make bench-rollout` runs the same roll with 8 shards and 16,000
+//! clients (`bench_rollout`, ignored in `make test`) and
 //! writes `target/bench/rollout.json`. The same 4-shard roll runs again
 //! with two elected operators, the leader SIGKILLed as the first step
 //! drains (issue 22, item 4). Figures are printed as `FIGURE name=value`
@@ -63,8 +64,8 @@ struct Roll {
     /// spec.backend.connectionsPerCpu (1-CPU shards): sized so that the
     /// plan gives `shards` shards for `clients`.
     per_cpu: u64,
-    /// Held paused (the fleet's `spec.rollout.paused`) this long before its first
-    /// step, if at all.
+    /// Held paused (the fleet's `spec.rollout.paused`) this long before its
+    /// first step, if at all.
     pause: Option<Duration>,
     /// Two operators elect a leader (the chart's default), and the leader
     /// is SIGKILLed as the first step's shards start to drain.
