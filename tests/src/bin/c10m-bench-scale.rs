@@ -21,8 +21,11 @@
 //!    took. (It runs before the re-plan, whose rollouts would still be
 //!    under way.)
 //! 4. **Re-plan**: `spec.connections` ×8 on `--replan` fleets at once;
-//!    p99 to their Deployments' new `metadata.generation` on the watch, and
-//!    watch events on the other fleets and their Deployments meanwhile.
+//!    p99 to their Deployments' first new `metadata.generation` on the
+//!    watch (the rollout gate's patches bump it again later), and on the
+//!    other fleets meanwhile the operator's writes (`writesToOthers`: fleet
+//!    events and new Deployment generations) and all watch events
+//!    (`watchEventsOnOthers`, the controller manager's status writes too).
 //! 5. **Metrics loop** (`--metrics-sync-seconds`): autoscaling turned on for
 //!    every fleet, against a loopback stub of Prometheus's query API
 //!    ([`stub_prometheus`]: no Prometheus runs on the scale plane; it
@@ -40,7 +43,7 @@
 //! run passes `--timeout-seconds`. It always stops the operator and deletes
 //! its namespaces.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -239,8 +242,10 @@ struct Seen {
     applied: Option<Instant>,
     /// First event of its Deployment.
     deployment: Option<Instant>,
-    /// Its Deployment's `metadata.generation`, and when it was first seen.
-    generation: (i64, Option<Instant>),
+    /// Its Deployment's `metadata.generation`s, each with when it was first
+    /// seen, oldest first (the re-plan's apply, then the rollout gate's
+    /// patches, each bump one).
+    generations: Vec<(i64, Instant)>,
     /// First event with `Ready=True` on the fleet.
     ready: Option<Instant>,
     /// Watch events on the Deployment and on the fleet.
@@ -248,7 +253,31 @@ struct Seen {
     fleet_events: u64,
 }
 
+impl Seen {
+    /// The newest `metadata.generation` of its Deployment seen (0: none).
+    fn generation(&self) -> i64 {
+        self.generations.last().map_or(0, |(g, _)| *g)
+    }
+}
+
 type Book = Arc<Mutex<HashMap<String, Seen>>>;
+
+/// Over the fleets not in `chosen`: the operator's writes seen on the
+/// watches (each fleet event, the operator being the only other writer of
+/// a fleet, and each new Deployment generation, a spec write), and all
+/// their watch events (the controller manager's Deployment status writes
+/// among them).
+fn others(book: &HashMap<String, Seen>, chosen: &HashSet<String>) -> (u64, u64) {
+    book.iter()
+        .filter(|(k, _)| !chosen.contains(*k))
+        .fold((0, 0), |(w, e), (_, s)| {
+            let spec = s.generations.len() as u64;
+            (
+                w + s.fleet_events + spec,
+                e + s.fleet_events + s.deployment_events,
+            )
+        })
+}
 
 /// Records every Deployment the operator owns into `book`.
 fn watch_deployments(client: Client, book: Book) {
@@ -266,15 +295,15 @@ fn watch_deployments(client: Client, book: Book) {
                     let seen = book.entry(key).or_default();
                     seen.deployment.get_or_insert(now);
                     seen.deployment_events += 1;
-                    if generation > seen.generation.0 {
-                        seen.generation = (generation, Some(now));
+                    if generation > seen.generation() {
+                        seen.generations.push((generation, now));
                     }
                 }
                 watcher::Event::Delete(d) => {
                     let key = format!("{}/{}", d.namespace().unwrap_or_default(), d.name_any());
                     if let Some(seen) = book.lock().unwrap().get_mut(&key) {
                         seen.deployment = None;
-                        seen.generation = (0, None);
+                        seen.generations.clear();
                     }
                 }
                 _ => {}
@@ -730,23 +759,14 @@ impl Run<'_> {
         let a = self.a;
         let every = (a.fleets / a.replan.max(1)).max(1);
         let chosen: Vec<usize> = (0..a.fleets).step_by(every).take(a.replan).collect();
+        let chosen_keys: HashSet<String> = chosen.iter().map(|&i| key(a, i)).collect();
         let (generations, others_before) = {
             let book = self.book.lock().unwrap();
             let generations: HashMap<String, i64> = chosen
                 .iter()
-                .map(|&i| {
-                    (
-                        key(a, i),
-                        book.get(&key(a, i)).map_or(0, |s| s.generation.0),
-                    )
-                })
+                .map(|&i| (key(a, i), book.get(&key(a, i)).map_or(0, Seen::generation)))
                 .collect();
-            let others: u64 = book
-                .iter()
-                .filter(|(k, _)| !generations.contains_key(*k))
-                .map(|(_, s)| s.deployment_events + s.fleet_events)
-                .sum();
-            (generations, others)
+            (generations, others(&book, &chosen_keys))
         };
         let patches = chosen.iter().map(|&i| {
             let api = self.fleets_in(&namespace(a, i));
@@ -771,7 +791,7 @@ impl Run<'_> {
         let moved = |g: &HashMap<String, i64>| {
             let book = book.lock().unwrap();
             g.iter()
-                .filter(|(k, g0)| book.get(*k).is_some_and(|s| s.generation.0 > **g0))
+                .filter(|(k, g0)| book.get(*k).is_some_and(|s| s.generation() > **g0))
                 .count()
         };
         let n = generations.len();
@@ -785,22 +805,23 @@ impl Run<'_> {
         // Writes the re-plan causes elsewhere land within a few syncs.
         tokio::time::sleep(Duration::from_secs(10)).await;
         let book = self.book.lock().unwrap();
+        // To the first generation past the one before the patch: later ones
+        // (the rollout gate's patches) came after the re-plan had landed.
         let took: Vec<f64> = generations
-            .keys()
-            .filter_map(|k| {
+            .iter()
+            .filter_map(|(k, g0)| {
                 let s = book.get(k)?;
-                Some(ms(s.applied?, s.generation.1?))
+                let (_, seen) = s.generations.iter().find(|(g, _)| g > g0)?;
+                Some(ms(s.applied?, *seen))
             })
             .collect();
-        let others_after: u64 = book
-            .iter()
-            .filter(|(k, _)| !generations.contains_key(*k))
-            .map(|(_, s)| s.deployment_events + s.fleet_events)
-            .sum();
+        let others_after = others(&book, &chosen_keys);
         let p = percentiles(took);
         r.set(
             "replan",
-            json!({"fleets": n, "p99Ms": p["p99"], "ms": p, "writesToOthers": others_after - others_before}),
+            json!({"fleets": n, "p99Ms": p["p99"], "ms": p,
+                "writesToOthers": others_after.0 - others_before.0,
+                "watchEventsOnOthers": others_after.1 - others_before.1}),
         );
         waited
     }
