@@ -353,21 +353,31 @@ async fn wait_established(api: &Api<CustomResourceDefinition>, name: &str) -> an
     anyhow::bail!("CRD {name} not Established after 60 s")
 }
 
-/// Hash of what a fleet's reconcile is asked for by: its spec
-/// (`metadata.generation`), labels, annotations (the pause annotation) and
-/// deletion (kube-runtime keys the hashes by uid too, so a fleet deleted
-/// and created again under its name passes as new). Not its status: only
-/// the operator writes it, and a reconcile triggered by its own status
-/// write found nothing to do (the store still gets every change; a
-/// reconcile reads the status there). Timed work (a drain's end, the metrics loop's sync) is
-/// requeued by the reconcile that starts it, not by its status write.
-pub fn fleet_change_hash(fleet: &ConnectionFleet) -> Option<u64> {
+/// Hash of what a reconcile is asked for by on an object whose status no
+/// reconcile reads: its spec (`metadata.generation`), labels, annotations
+/// (a fleet's pause annotation), owner references and deletion
+/// (kube-runtime keys the hashes by uid too, so an object deleted and
+/// created again under its name passes as new). Not its status:
+/// - a fleet's only the operator writes, and a reconcile triggered by its
+///   own status write found nothing to do (the store still gets every
+///   change; a reconcile reads the status there). Timed work (a drain's
+///   end, the metrics loop's sync) is requeued by the reconcile that
+///   starts it, not by its status write;
+/// - a PodDisruptionBudget's the disruption controller rewrites as each
+///   pod turns Ready or not, and nothing reads it.
+///
+/// A change of the spec, or of the labels or owner an apply sets, by
+/// someone else still triggers the reconcile that applies it again.
+pub fn spec_change_hash<K: Resource>(obj: &K) -> Option<u64> {
     use std::hash::{Hash, Hasher};
-    let m = &fleet.metadata;
+    let m = obj.meta();
     let mut h = std::collections::hash_map::DefaultHasher::new();
     m.generation.hash(&mut h);
     m.labels.hash(&mut h);
     m.annotations.hash(&mut h);
+    for o in m.owner_references.iter().flatten() {
+        (&o.uid, &o.kind, &o.name, o.controller).hash(&mut h);
+    }
     m.deletion_timestamp.is_some().hash(&mut h);
     Some(h.finish())
 }
@@ -499,14 +509,7 @@ pub async fn run_controller(
             stop.cancel();
         }
     });
-    let cache = Cache {
-        nodes,
-        deployments,
-        services,
-        pdbs: pdb_store,
-        stop: stop.clone(),
-        profiles: Default::default(),
-    };
+    let cache = Cache::new(nodes, deployments, services, pdb_store, stop.clone());
     let profiles = cache.profiles.clone();
     let ctx = Arc::new(
         Context::new(client.clone(), instance, metrics, prometheus)
@@ -518,12 +521,14 @@ pub async fn run_controller(
         "c10m-operator controller starting"
     );
     let fleet_events = stored(fleets, watcher::Config::default(), lean, fleet_writer)
-        .predicate_filter(fleet_change_hash, PredicateConfig::default());
+        .predicate_filter(spec_change_hash, PredicateConfig::default());
     let controller = Controller::for_stream(fleet_events, fleet_store)
         .with_config(controller::Config::default().concurrency(CONCURRENCY))
         .owns_stream(owned(deps, deployment_writer))
         .owns_stream(owned(svcs, service_writer))
-        .owns_stream(owned(pdbs, pdb_writer));
+        .owns_stream(
+            owned(pdbs, pdb_writer).predicate_filter(spec_change_hash, PredicateConfig::default()),
+        );
     // Node profiles come from nodes' labels and allocatable: re-plan every
     // fleet when those change (not on the frequent node status heartbeats).
     let store = controller.store();
@@ -642,11 +647,11 @@ mod tests {
         let spec = serde_json::json!({"connections": 1000});
         let mut fleet = ConnectionFleet::new("edge", serde_json::from_value(spec).unwrap());
         fleet.metadata.generation = Some(1);
-        let base = fleet_change_hash(&fleet);
+        let base = spec_change_hash(&fleet);
         let changed = |edit: &dyn Fn(&mut ConnectionFleet)| {
             let mut f = fleet.clone();
             edit(&mut f);
-            fleet_change_hash(&f)
+            spec_change_hash(&f)
         };
         let status = changed(&|f| {
             f.status = Some(Default::default());
@@ -670,6 +675,36 @@ mod tests {
         for (i, edit) in triggers.iter().enumerate() {
             assert_ne!(changed(*edit), base, "change {i} must trigger a reconcile");
         }
+    }
+
+    /// The disruption controller's status writes on a fleet's
+    /// PodDisruptionBudget trigger no reconcile; a spec change or another
+    /// owner does.
+    #[test]
+    fn a_budget_s_status_write_triggers_no_reconcile() {
+        use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+        let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "edge", "namespace": "ns", "uid": "p1", "generation": 1,
+                "ownerReferences": [{"apiVersion": "c10m.dev/v1alpha1",
+                    "kind": "ConnectionFleet", "name": "edge", "uid": "f1", "controller": true}]},
+            "spec": {"maxUnavailable": 1}
+        }))
+        .unwrap();
+        let base = spec_change_hash(&pdb);
+        let mut healthy = pdb.clone();
+        healthy.status = serde_json::from_value(serde_json::json!({
+            "currentHealthy": 3, "desiredHealthy": 2, "disruptionsAllowed": 1,
+            "expectedPods": 3, "observedGeneration": 1
+        }))
+        .unwrap();
+        healthy.metadata.resource_version = Some("77".into());
+        assert_eq!(spec_change_hash(&healthy), base);
+        let mut respecced = pdb.clone();
+        respecced.metadata.generation = Some(2);
+        assert_ne!(spec_change_hash(&respecced), base);
+        let mut adopted = pdb.clone();
+        adopted.metadata.owner_references.as_mut().unwrap()[0].uid = "f2".into();
+        assert_ne!(spec_change_hash(&adopted), base);
     }
 
     proptest! {

@@ -240,9 +240,9 @@ pub struct Context {
     /// The Deployment's `minReadySeconds` (the rollout's gate) this
     /// process last set, per fleet: (the Deployment's uid, seconds).
     gates: Mutex<HashMap<ObjectRef<ConnectionFleet>, (String, i32)>>,
-    /// The `resourceVersion` this process last read (GET) or wrote (status)
-    /// each fleet at ([`observe::fleet`]).
-    versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, String>>,
+    /// The version this process last read (GET) or wrote (status) each
+    /// fleet at ([`observe::fleet`]).
+    versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, observe::Known>>,
 }
 
 impl Context {
@@ -312,14 +312,14 @@ impl Context {
         }
     }
 
-    /// Records the `resourceVersion` `fleet` was read or written at: a
-    /// cached copy at that version needs no GET ([`observe::fleet`]).
+    /// Records the version `fleet` was read or written at
+    /// ([`observe::cached_is_current`]).
     pub fn seen(&self, fleet: &ConnectionFleet) {
-        if let Some(rv) = &fleet.metadata.resource_version {
+        if let Some(known) = observe::Known::of(fleet) {
             self.versions
                 .lock()
                 .unwrap()
-                .insert(ObjectRef::from_obj(fleet), rv.clone());
+                .insert(ObjectRef::from_obj(fleet), known);
         }
     }
 
@@ -386,7 +386,7 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
     let now = Time(Timestamp::now());
     let key = ObjectRef::from_obj(fleet.as_ref());
     let known = ctx.versions.lock().unwrap().get(&key).cloned();
-    let fleet = match observe::fleet(&ctx.client, &fleet, known.as_deref()).await {
+    let fleet = match observe::fleet(&ctx.client, &fleet, known.as_ref()).await {
         Ok(Some(latest)) => {
             ctx.seen(&latest);
             latest

@@ -18,21 +18,62 @@ use crate::api::status::NodeSource;
 use crate::names::{FLEET_LABEL, secret_name};
 use crate::plan::{NodeFacts, PlanError, nodes};
 
+/// The `resourceVersion` and `metadata.generation` this process last read
+/// (GET) or wrote (status) a fleet at ([`super::Context::seen`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Known {
+    resource_version: String,
+    generation: i64,
+}
+
+impl Known {
+    /// `fleet`'s version, if it carries a `resourceVersion`.
+    pub fn of(fleet: &ConnectionFleet) -> Option<Known> {
+        Some(Known {
+            resource_version: fleet.metadata.resource_version.clone()?,
+            generation: fleet.metadata.generation.unwrap_or(0),
+        })
+    }
+}
+
+/// Whether the cached copy of a fleet a reconcile is triggered with
+/// (`cached`, from this process's watch) is as new as the stored fleet as
+/// far as this process's own writes go, so it needs no GET, given what
+/// this process last read or wrote it at (`known`):
+/// - nothing (`None`): this process has written nothing the copy could
+///   miss (a new fleet, or the first reconcile after a start or a
+///   failover, whose watch listed the fleets after the last leader
+///   stopped); a later change by anyone else is a watch event and another
+///   reconcile;
+/// - the same `resourceVersion`;
+/// - a higher `generation`: the copy carries a spec change made after this
+///   process's last read or write, so it holds that write too (a re-plan).
+///
+/// Otherwise (the copy is older than this process's last status write: an
+/// owned object's event can arrive first) the fleet is read.
+pub fn cached_is_current(cached: &ConnectionFleet, known: Option<&Known>) -> bool {
+    let Some(known) = known else {
+        return true;
+    };
+    cached.metadata.resource_version.as_deref() == Some(known.resource_version.as_str())
+        || cached.metadata.generation.unwrap_or(0) > known.generation
+}
+
 /// The latest stored `fleet`, or `None` when it is gone. The cached copy a
 /// reconcile is triggered with may predate the operator's last status write
 /// (an owned object's event can arrive first): deciding from the stored
 /// status means a stale cache never flips a condition's transition time or
-/// repeats an event. `known` is the `resourceVersion` this process last
-/// read or wrote the fleet at ([`super::Context::seen`]): a cached copy at
-/// that version is the stored fleet as of this process's last read or
-/// write, and is used without a GET (most reconciles; a GET each was a
-/// third of a reconcile's reads, issue 23).
+/// repeats an event. A cached copy that [`cached_is_current`] given what
+/// this process last read or wrote it at (`known`) is used without a GET
+/// (most reconciles; a GET each was a third of a reconcile's reads, and
+/// one round trip more before a new or re-planned fleet's Deployment is
+/// applied, issue 23).
 pub async fn fleet(
     client: &Client,
     fleet: &ConnectionFleet,
-    known: Option<&str>,
+    known: Option<&Known>,
 ) -> Result<Option<ConnectionFleet>, Error> {
-    if known.is_some() && fleet.metadata.resource_version.as_deref() == known {
+    if cached_is_current(fleet, known) {
         return Ok(Some(fleet.clone()));
     }
     let name = fleet.name_any();
@@ -252,4 +293,41 @@ pub async fn workload(
         Vec::new()
     };
     Ok(Workload { replica_sets, pods })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(resource_version: &str, generation: i64) -> ConnectionFleet {
+        let mut f: ConnectionFleet = serde_json::from_value(serde_json::json!({
+            "apiVersion": "c10m.dev/v1alpha1",
+            "kind": "ConnectionFleet",
+            "metadata": {"name": "f", "namespace": "ns"},
+            "spec": {"connections": 1000, "backend": {"model": "epoll"}}
+        }))
+        .unwrap();
+        f.metadata.resource_version = Some(resource_version.into());
+        f.metadata.generation = Some(generation);
+        f
+    }
+
+    #[test]
+    fn a_cached_fleet_is_read_again_only_when_it_may_miss_this_process_s_write() {
+        let written = Known::of(&at("120", 3));
+        // Never read or written by this process: the watch's copy.
+        assert!(cached_is_current(&at("100", 1), None));
+        // The version last written.
+        assert!(cached_is_current(&at("120", 3), written.as_ref()));
+        // A spec change after the write (a re-plan): newer than the write.
+        assert!(cached_is_current(&at("130", 4), written.as_ref()));
+        // Behind the status write (an owned object's event came first), or
+        // another version of the same generation: read again.
+        assert!(!cached_is_current(&at("110", 3), written.as_ref()));
+        assert!(!cached_is_current(&at("90", 2), written.as_ref()));
+        // No resourceVersion: nothing to remember.
+        let mut bare = at("1", 1);
+        bare.metadata.resource_version = None;
+        assert_eq!(Known::of(&bare), None);
+    }
 }

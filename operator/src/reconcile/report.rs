@@ -29,7 +29,7 @@ pub const ROLLOUT_RECHECK: Duration = Duration::from_secs(15);
 /// (0.5-0.8 s in `tests/tests/rollout.rs`), and no watch of the operator's
 /// sees that (pods are not watched; the Deployment's status may not change
 /// with it), yet the rollout's gate is set from it. The fleet's own status
-/// write no longer triggers a reconcile (`controller::fleet_change_hash`);
+/// write no longer triggers a reconcile (`controller::spec_change_hash`);
 /// before, that reconcile was a look of this kind, at once. The timed
 /// changes (a drain's end, the cordons settling) have their own requeue
 /// ([`rollout::next_deadline`]).
