@@ -497,15 +497,27 @@ fn cordons_settled(status: &RolloutStatus) -> Option<Timestamp> {
         .map(|t| t.0 + SignedDuration::from_secs(CORDON_SETTLE_SECONDS))
 }
 
-/// The newest of `replica_sets` (highest [`REVISION_ANNOTATION`]): its
-/// revision and pod-template hash. `None` without a readable one.
-pub fn current_revision(replica_sets: &[ReplicaSet]) -> Option<(i64, String)> {
+/// Each of `replica_sets` with a pod-template hash and a readable revision
+/// ([`REVISION_ANNOTATION`]): (hash, revision).
+fn revisions(replica_sets: &[ReplicaSet]) -> Vec<(&String, i64)> {
     replica_sets
         .iter()
         .filter_map(|rs| {
-            let hash = rs.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?;
-            Some((revision(rs)?, hash.clone()))
+            Some((
+                rs.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?,
+                revision(rs)?,
+            ))
         })
+        .collect()
+}
+
+/// The newest of `revisions` ([`revisions`]: highest revision), the
+/// current template's: its revision and pod-template hash. `None` without
+/// one.
+fn current_revision<'a>(revisions: &[(&'a String, i64)]) -> Option<(i64, &'a String)> {
+    revisions
+        .iter()
+        .map(|&(hash, revision)| (revision, hash))
         .max_by_key(|(revision, _)| *revision)
 }
 
@@ -552,21 +564,13 @@ pub fn revision(rs: &ReplicaSet) -> Option<i64> {
 /// ([`Rollout::pace`] completes the status and says whether one is under
 /// way). `status` is `None` without a readable revision.
 pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod]) -> Rollout {
-    let Some((revision, hash)) = current_revision(replica_sets) else {
+    let revisions = revisions(replica_sets);
+    let Some((revision, hash)) = current_revision(&revisions) else {
         return Rollout::default();
     };
-    let revisions: Vec<(&String, i64)> = replica_sets
-        .iter()
-        .filter_map(|rs| {
-            Some((
-                rs.metadata.labels.as_ref()?.get(POD_TEMPLATE_HASH)?,
-                self::revision(rs)?,
-            ))
-        })
-        .collect();
     let shards: Vec<Shard> = pods
         .iter()
-        .filter_map(|p| shard(p, &hash, &revisions))
+        .filter_map(|p| shard(p, hash, &revisions))
         .collect();
     let updated = deployment
         .status
@@ -595,7 +599,7 @@ pub fn observe(deployment: &Deployment, replica_sets: &[ReplicaSet], pods: &[Pod
                 .labels
                 .as_ref()
                 .and_then(|l| l.get(POD_TEMPLATE_HASH))
-                != Some(&hash)
+                != Some(hash)
         })
         .filter_map(|rs| rs.spec.as_ref()?.replicas)
         .sum();
@@ -707,8 +711,9 @@ mod tests {
     #[test]
     fn the_newest_replica_set_is_current_by_revision_not_by_order() {
         let sets = [rs("9", "new"), rs("10", "newer"), rs("x", "bad")];
-        assert_eq!(current_revision(&sets), Some((10, "newer".into())));
-        assert_eq!(current_revision(&[]), None);
+        let newer = "newer".to_string();
+        assert_eq!(current_revision(&revisions(&sets)), Some((10, &newer)));
+        assert_eq!(current_revision(&revisions(&[])), None);
     }
 
     #[test]
