@@ -385,18 +385,22 @@ impl Rollout {
         // in the second the step was seen counts: left out, the gate stayed
         // at the cap's step (a third revision's first surge, Ready 0.5 s
         // after its step, `tests/tests/rollout.rs`).
-        let next = self
+        let next: Vec<Timestamp> = self
             .shards
             .iter()
             .filter(|s| s.updated && s.ready && !s.terminating)
             .filter_map(|s| s.ready_since)
             .filter(|r| last_step.is_none_or(|l| *r + SignedDuration::from_secs(1) > l))
-            .min();
+            .collect();
+        let first_last = next.iter().min().zip(next.iter().max());
+        // An updated shard not Ready yet: the Deployment created it for
+        // this step with the others (its surge) or for a scale-out.
+        let starting = (self.shards.iter()).any(|s| s.updated && !s.ready && !s.terminating);
         // Cordoned, vacant (a count without a cordon) or not placed.
         let all_cordoned = old
             .iter()
             .all(|s| s.cordoned || s.held.is_some() || s.ip.is_none());
-        let gate = match next {
+        let gate = match first_last {
             // Nothing drains and the cordons have settled: a step closes
             // nothing, whether or not an updated shard became Ready after
             // the last step was seen (on a node that starts pods at once,
@@ -404,7 +408,20 @@ impl Rollout {
             // sees the step: it stepped one shard every gate, 3 s, in
             // `tests/tests/ha.rs`).
             _ if all_cordoned && st.step_seconds == 0 && gate_at <= now => 0,
-            Some(ready) if all_cordoned => seconds_until(ready, gate_at),
+            // Ready in one second, none starting: all available at once
+            // at `gate_at`.
+            Some((first, last)) if all_cordoned && first == last && !starting => {
+                seconds_until(*first, gate_at)
+            }
+            Some((first, last)) if all_cordoned => step_gate(
+                *first,
+                *last,
+                starting,
+                gate_at,
+                st.step_seconds,
+                now,
+                current,
+            ),
             Some(_) => cap,
             None => i64::from(current.unwrap_or(0)).max(seconds_until(now, gate_at)),
         };
@@ -419,7 +436,7 @@ impl Rollout {
     /// (`behind`).
     ///
     /// While a template waits, the gate is held at the cap's step plus
-    /// [`TEMPLATE_HOLD_MARGIN_SECONDS`], so no step starts before the
+    /// [`REQUEUE_MARGIN_SECONDS`], so no step starts before the
     /// template is applied, and the status says until when it waits
     /// (`templateHeldUntil`). While the controller is behind, the gate is
     /// never lowered: a template just applied may not have reached its
@@ -437,7 +454,7 @@ impl Rollout {
     ) -> (Rollout, i32) {
         let mut gate = i64::from(gate);
         if held.is_some() {
-            gate = gate.max(pace.cap() + TEMPLATE_HOLD_MARGIN_SECONDS);
+            gate = gate.max(pace.cap() + REQUEUE_MARGIN_SECONDS);
         }
         if behind {
             gate = gate.max(i64::from(current.unwrap_or(0)));
@@ -449,13 +466,58 @@ impl Rollout {
     }
 }
 
-/// Seconds a held gate ([`Rollout::hold`]) keeps beyond the cap's step,
-/// so that the next step's updated shards cannot become available before
-/// the reconcile at `drainingUntil` has applied the template that waited:
-/// their Ready times have 1 s resolution, and that reconcile is requeued
-/// 100 ms after the drain's end and may wait behind others (a reconcile
-/// took up to 3 s under `make bench-scale`'s ramp).
-pub const TEMPLATE_HOLD_MARGIN_SECONDS: i64 = 10;
+/// The gate for a step whose updated shards were Ready in different
+/// seconds (`first`, `last`), or while another of its shards is still
+/// `starting`, at `now`, given the gate the Deployment has (`current`).
+///
+/// A pod is available once `minReadySeconds` have passed since it was
+/// Ready, and the ReplicaSet controller (Kubernetes 1.35) recounts its
+/// pods at the earliest such moment: a gate set ahead from `first` made
+/// only that shard available, the Deployment removed one old shard, and
+/// the gate raised for the next step held the other back a whole step (a
+/// step at half the budget, 1.85 × the ideal in one third-revision run of
+/// six, ADR 0011). So the gate is held until the step may go
+/// ([`REQUEUE_MARGIN_SECONDS`] past it, in case this operator is late),
+/// and opened then: lowered so that every Ready one is available at once,
+/// in the ReplicaSet controller's next count. A shard still starting is
+/// waited for up to the step's own drain (`step_seconds` past `first`), no
+/// longer than a step of fewer shards would cost; past that, the Ready
+/// ones go without it. Once open, a `current` gate that already makes
+/// them available is kept (no write on each reconcile until the step is
+/// seen).
+fn step_gate(
+    first: Timestamp,
+    last: Timestamp,
+    starting: bool,
+    gate_at: Timestamp,
+    step_seconds: i64,
+    now: Timestamp,
+    current: Option<i32>,
+) -> i64 {
+    let wait_until = if starting {
+        gate_at.max(first + SignedDuration::from_secs(step_seconds))
+    } else {
+        gate_at
+    };
+    if now < wait_until {
+        return seconds_until(first, wait_until) + REQUEUE_MARGIN_SECONDS;
+    }
+    let open = now.duration_since(last).as_secs().max(0);
+    match current.map(i64::from) {
+        Some(c) if c <= open => c,
+        _ => open,
+    }
+}
+
+/// Seconds a held gate keeps beyond the moment this operator means to
+/// open it itself, so that the updated shards cannot become available
+/// on their own before it does: after a template that waited
+/// ([`Rollout::hold`], beyond the cap's step), or a step whose shards were
+/// Ready in different seconds ([`step_gate`]). Ready times have 1 s
+/// resolution, and the reconcile is requeued 100 ms after its deadline
+/// and may wait behind others (a reconcile took up to 3 s under `make
+/// bench-scale`'s ramp).
+pub const REQUEUE_MARGIN_SECONDS: i64 = 10;
 
 /// Until when a change of the pod template must wait, given the status the
 /// last reconcile wrote: the end of the drain under way
@@ -1197,6 +1259,97 @@ mod tests {
         assert_eq!(gate, CORDON_SETTLE_SECONDS as i32 - 1);
     }
 
+    /// A step's two updated shards Ready in different seconds: a gate set
+    /// ahead from the first would make it available a second before the
+    /// other, and the ReplicaSet controller counts at that moment (one old
+    /// shard removed). The gate holds instead, and the reconcile at the
+    /// cordons' settling opens it for both at once.
+    #[test]
+    fn a_step_whose_shards_were_ready_in_different_seconds_opens_for_all_at_once() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let previous = RolloutStatus {
+            old_shards: 4,
+            cordoned_shards: 4,
+            last_cordon_time: Some(Time(at(4))),
+            ..Default::default()
+        };
+        let old = |n: &str| shard_pod(n, "old", -100, Some("900"));
+        let pods = [
+            shard_pod("n1", "new", 3, None),
+            shard_pod("n2", "new", 4, None),
+            old("o1"),
+            old("o2"),
+            old("o3"),
+            old("o4"),
+        ];
+        let pace = |now, current| {
+            let r = observe(&deployment(4, 2, false), &sets, &pods);
+            r.pace(Some(&previous), &PACE, now, current).1
+        };
+        let settled = 4 + CORDON_SETTLE_SECONDS;
+        let held = pace(at(5), Some(16));
+        assert_eq!(
+            i64::from(held),
+            settled - 3 + REQUEUE_MARGIN_SECONDS,
+            "held past the settling: neither is available before it"
+        );
+        let opened = pace(at(settled) + SignedDuration::from_millis(100), Some(held));
+        assert_eq!(
+            i64::from(opened),
+            settled - 4,
+            "n2 (Ready at +4 s) and n1 are available at once"
+        );
+        let later = pace(at(settled + 1), Some(opened));
+        assert_eq!(later, opened, "kept until the step is seen");
+    }
+
+    /// One of a step's updated shards is still starting: the gate waits
+    /// for it, at most the step's drain past the first one's Ready, then
+    /// lets the Ready one go alone.
+    #[test]
+    fn a_step_waits_for_a_starting_shard_no_longer_than_its_drain() {
+        let sets = [rs("1", "old"), rs("2", "new")];
+        let previous = RolloutStatus {
+            old_shards: 4,
+            cordoned_shards: 4,
+            last_cordon_time: Some(Time(at(0))),
+            ..Default::default()
+        };
+        let mut starting = shard_pod("n2", "new", 0, None);
+        starting
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()[0]
+            .status = "False".into();
+        let old = |n: &str| shard_pod(n, "old", -100, Some("500"));
+        let pods = [
+            shard_pod("n1", "new", 3, None),
+            starting,
+            old("o1"),
+            old("o2"),
+            old("o3"),
+            old("o4"),
+        ];
+        let r = observe(&deployment(4, 2, false), &sets, &pods);
+        assert_eq!(r.status.as_ref().unwrap().old_shards, 4);
+        let pace = |now| {
+            let r = observe(&deployment(4, 2, false), &sets, &pods);
+            let (r, gate) = r.pace(Some(&previous), &PACE, at(now), Some(16));
+            (r.status.unwrap().step_seconds, gate)
+        };
+        let (step, gate) = pace(CORDON_SETTLE_SECONDS + 1);
+        assert_eq!(step, 6, "500 at 100/s, and half a second");
+        assert_eq!(
+            i64::from(gate),
+            (step + REQUEUE_MARGIN_SECONDS).min(PACE.cap_step_seconds),
+            "n1 is held for n2"
+        );
+        assert_eq!(pace(3 + step).1, step as i32, "n2 given up: n1 goes alone");
+    }
+
     /// The clock alone ends a drain and settles cordons: the next of them
     /// still ahead is when the reconcile looks again.
     #[test]
@@ -1302,7 +1455,7 @@ mod tests {
         );
         assert_eq!(paced.1, 4, "unheld: available at the drain's end");
         let (r, gate) = paced.0.hold(paced.1, Some(4), Some(at(16)), false, &PACE);
-        let cap = PACE.cap_step_seconds + TEMPLATE_HOLD_MARGIN_SECONDS;
+        let cap = PACE.cap_step_seconds + REQUEUE_MARGIN_SECONDS;
         assert_eq!(i64::from(gate), cap);
         assert_eq!(r.status.unwrap().template_held_until, Some(Time(at(16))));
 

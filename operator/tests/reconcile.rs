@@ -998,7 +998,7 @@ async fn a_template_change_mid_drain_waits_for_the_drain_to_end() {
         .filter(|c| c.query().contains(ROLLOUT_MANAGER))
         .map(|c| c.body.as_ref().unwrap()["spec"]["minReadySeconds"].clone())
         .collect();
-    let held = plan.rollout_step_seconds + c10m_operator::rollout::TEMPLATE_HOLD_MARGIN_SECONDS;
+    let held = plan.rollout_step_seconds + c10m_operator::rollout::REQUEUE_MARGIN_SECONDS;
     assert_eq!(gates, vec![json!(held)], "{calls:#?}");
 
     change(-1);
