@@ -425,18 +425,65 @@ pub async fn run(
     run_controller(client, config, metrics).await
 }
 
+/// Seconds an idle connection to the API server stays open. kube-client's
+/// own builder keeps every idle connection for ever (hyper-util's pool
+/// without a timer): after a burst of [`CONCURRENCY`] reconciles the
+/// operator held 143-167 idle connections, each with its TLS state and
+/// read buffer (ADR 0012). 90 s is the Go client's `IdleConnTimeout`
+/// (net/http's `DefaultTransport`, which client-go keeps).
+pub const API_IDLE_SECONDS: u64 = 90;
+
+/// Idle connections kept to the API server: the watches hold their own
+/// (one each, never idle), so these serve the reconciles' requests between
+/// bursts. client-go keeps 25 a host (`MaxIdleConnsPerHost` in
+/// `k8s.io/apimachinery/pkg/util/net`'s `SetTransportDefaults`).
+pub const API_MAX_IDLE: usize = 25;
+
 /// A client from the kubeconfig or the pod's service account (as
 /// `kube::Client::try_default`) that counts each request it sends into
-/// `metrics` ([`crate::telemetry::Metrics::count_request`]).
+/// `metrics` ([`crate::telemetry::Metrics::count_request`]), and closes
+/// idle connections ([`API_IDLE_SECONDS`], [`API_MAX_IDLE`]).
+///
+/// It is kube-client's default stack (TLS, the config's timeouts, the
+/// base URI, retries of 429/503/504 when the config asks for them, auth,
+/// extra headers) over a connection pool with those limits, which
+/// kube-client's builder does not expose. Errors: a config that cannot be
+/// inferred, or a TLS or auth setup it describes that cannot be built.
 pub async fn counting_client(metrics: Arc<crate::telemetry::Metrics>) -> anyhow::Result<Client> {
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
+    use kube::client::ConfigExt;
+    use tower::ServiceBuilder;
+
     let config = kube::Config::infer().await?;
     let count = tower::util::MapRequestLayer::new(move |req: http::Request<kube::client::Body>| {
         metrics.count_request(req.method());
         req
     });
-    Ok(kube::client::ClientBuilder::try_from(config)?
-        .with_layer(&count)
-        .build())
+    let mut tcp = HttpConnector::new();
+    tcp.enforce_http(false);
+    let mut connector =
+        hyper_timeout::TimeoutConnector::new(config.rustls_https_connector_with_connector(tcp)?);
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_read_timeout(config.read_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    connector.set_reset_reader_on_write(config.reset_reader_on_write);
+    let pool = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(API_IDLE_SECONDS))
+        .pool_max_idle_per_host(API_MAX_IDLE)
+        .build(connector);
+    let retry = (config.default_retry)
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(retry)
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .layer(count)
+        .map_err(tower::BoxError::from)
+        .service(pool);
+    Ok(Client::new(service, config.default_namespace))
 }
 
 /// Installs the CRD (when managed) and runs the controller until

@@ -217,6 +217,18 @@ fn rss_bytes(pid: u32) -> Option<u64> {
     proc_kib(&format!("/proc/{pid}/status"), "VmRSS:")
 }
 
+/// Open sockets of `pid` (its file descriptors that are sockets): the
+/// watches' and the idle pool's connections to the API server, and its
+/// metrics listener.
+fn socket_fds(pid: u32) -> Option<usize> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    Some(
+        fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+            .filter(|target| target.to_string_lossy().starts_with("socket:"))
+            .count(),
+    )
+}
+
 /// The machine's `MemAvailable`, bytes.
 fn mem_available_bytes() -> Option<u64> {
     proc_kib("/proc/meminfo", "MemAvailable:")
@@ -733,6 +745,7 @@ impl Run<'_> {
             "quietWindow",
             json!({
                 "seconds": self.a.quiet_seconds,
+                "operatorSocketsAtEnd": socket_fds(self.operator_pid()),
                 "mutatingRequests": d.operator_writes() as u64,
                 "operatorCountedWrites": own_before.zip(operator_writes(self.a.metrics_port)).map(|(b, a)| a - b),
                 "statusWrites": d.status_writes() as u64,
@@ -850,6 +863,7 @@ impl Run<'_> {
                 "mutatingRequests": d.operator_writes() as u64,
                 "operatorCountedWrites": operator_writes(self.a.metrics_port),
                 "reconciledSeconds": round2(reconciled),
+                "operatorSocketsAfter": socket_fds(self.operator_pid()),
                 "mutatingByResource": d.mutating,
             }),
         );
@@ -1165,6 +1179,13 @@ fn print_table(r: &Value) {
     row("apply → fleet Ready ms (p50/p99/max)", &r["applyToReadyMs"]);
     row("operator RSS bytes (steady/peak)", &r["operatorRssBytes"]);
     row("operator CPU s (ramp/quiet)", &r["operatorCpuSeconds"]);
+    row(
+        "operator sockets: quiet window's end, 5 s after the restart",
+        &json!([
+            r["quietWindow"]["operatorSocketsAtEnd"],
+            r["restart"]["operatorSocketsAfter"]
+        ]),
+    );
     row("ramp: operator reconciles", &r["reconciles"]["ramp"]);
     row(
         "ramp: operator requests (reads/writes)",
