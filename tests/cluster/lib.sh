@@ -177,6 +177,29 @@ launch() {
   echo "  $name: started (pid $pid, log $LOGS/$name.log)"
 }
 
+# wait_healthy NAME SECONDS [quiet]: polls the caller's healthy_NAME until it
+# succeeds. If NAME's process (its pid file in $PIDS) exits, or SECONDS
+# pass: returns 1 when quiet, else prints the end of its log and dies.
+wait_healthy() {
+  local name=$1 timeout=$2 quiet=${3:-} deadline pid why
+  deadline=$(($(date +%s) + timeout))
+  until "healthy_$name"; do
+    pid=$(cat "$PIDS/$name.pid" 2>/dev/null || true)
+    why=
+    if ! pid_alive "$pid"; then
+      why="exited during startup"
+    elif (($(date +%s) >= deadline)); then
+      why="not healthy after $timeout s"
+    fi
+    if [[ -n "$why" ]]; then
+      [[ -n "$quiet" ]] && return 1
+      log_tail "$name"
+      die "$name (pid $pid) $why"
+    fi
+    sleep 0.2
+  done
+}
+
 # log_tail NAME [LINES]: the end of a component's log, for error messages.
 log_tail() {
   local log="$LOGS/$1.log"

@@ -136,22 +136,6 @@ strays_containerd() { pids_where containerd "$NODE_DIR/"; }
 strays_kubelet() { pids_where kubelet "$NODE_DIR/"; }
 healthy_kubelet() { [[ "$(curl -fsS --noproxy '*' --max-time 2 "http://127.0.0.1:$C10M_KUBELET_HEALTHZ_PORT/healthz" 2>/dev/null)" == ok ]]; }
 
-# wait_healthy NAME TIMEOUT
-wait_healthy() {
-  local name=$1 deadline=$(($(date +%s) + $2))
-  until "healthy_$name"; do
-    if ! pid_alive "$(cat "$PIDS/$name.pid" 2>/dev/null)"; then
-      log_tail "$name"
-      die "$name exited during startup"
-    fi
-    if (($(date +%s) >= deadline)); then
-      log_tail "$name"
-      die "$name not healthy after $2 s"
-    fi
-    sleep 0.1
-  done
-}
-
 # ---------------------------------------------------------------- images
 # normalized NAME: the name CRI resolves an image reference to
 # (c10m/server:0.1.0 -> docker.io/c10m/server:0.1.0).

@@ -95,19 +95,6 @@ sd_bin() {
 healthy_c10m-prom-sd() { [[ -s "$TARGETS" ]]; }
 healthy_prometheus() { ready; }
 
-# wait_up NAME SECONDS: until healthy_NAME, or die if it exits or times out.
-wait_up() {
-  local name=$1 i pid
-  pid=$(cat "$PIDS/$name.pid")
-  for ((i = 0; i < $2 * 10; i++)); do
-    "healthy_$name" && return 0
-    pid_alive "$pid" || { log_tail "$name"; die "$name (pid $pid) exited during startup"; }
-    sleep 0.1
-  done
-  log_tail "$name"
-  die "$name (pid $pid) not healthy after $2 s"
-}
-
 start() {
   [[ -x "$C10M_PROMETHEUS_BIN" ]] || die "$C10M_PROMETHEUS_BIN not found; run $here/install-deps.sh"
   [[ -f "$KUBECONFIG_PATH" ]] || die "$KUBECONFIG_PATH not found; run $here/up.sh first"
@@ -123,7 +110,7 @@ start() {
   record="$(printf '%q ' "${sd_cmd[@]}")# $(sha256sum <"$bin" | cut -c1-16)"
   running_pid "$SD" >/dev/null || rm -f "$TARGETS" # healthy once it writes one
   if launch "$SD" "$record" "${sd_cmd[@]}"; then
-    wait_up "$SD" 30
+    wait_healthy "$SD" 30
   fi
 
   config >"$DIR/prometheus.yml.tmp"
@@ -143,7 +130,7 @@ start() {
     [[ -z "$owner" ]] || die "cannot start prometheus: port $C10M_PROMETHEUS_PORT is in use: $owner"
   fi
   if launch "$PROM" "$record" "${cmd[@]}"; then
-    wait_up "$PROM" 30
+    wait_healthy "$PROM" 30
   fi
   echo "prometheus: ready at $URL"
 }

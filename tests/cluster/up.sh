@@ -132,11 +132,11 @@ k() { "$KUBECTL" --kubeconfig "$KUBECONFIG_PATH" --request-timeout=10s "$@"; }
 
 # ---------------------------------------------------------------- processes
 CURL=(curl -fsS --noproxy '*' --max-time 2)
-health_etcd() { "${CURL[@]}" "http://127.0.0.1:$C10M_ETCD_PORT/health" 2>/dev/null | grep -q '"health":"true"'; }
-health_kube-apiserver() { [[ "$("${CURL[@]}" --cacert "$PKI/ca.crt" "https://127.0.0.1:$C10M_APISERVER_PORT/readyz" 2>/dev/null)" == ok ]]; }
-health_kube-controller-manager() { [[ "$("${CURL[@]}" -k "https://127.0.0.1:$C10M_KCM_PORT/healthz" 2>/dev/null)" == ok ]]; }
-health_kube-scheduler() { [[ "$("${CURL[@]}" -k "https://127.0.0.1:$C10M_SCHEDULER_PORT/healthz" 2>/dev/null)" == ok ]]; }
-health_kwok() { "${CURL[@]}" "http://127.0.0.1:$C10M_KWOK_PORT/healthz" >/dev/null 2>&1; }
+healthy_etcd() { "${CURL[@]}" "http://127.0.0.1:$C10M_ETCD_PORT/health" 2>/dev/null | grep -q '"health":"true"'; }
+healthy_kube-apiserver() { [[ "$("${CURL[@]}" --cacert "$PKI/ca.crt" "https://127.0.0.1:$C10M_APISERVER_PORT/readyz" 2>/dev/null)" == ok ]]; }
+healthy_kube-controller-manager() { [[ "$("${CURL[@]}" -k "https://127.0.0.1:$C10M_KCM_PORT/healthz" 2>/dev/null)" == ok ]]; }
+healthy_kube-scheduler() { [[ "$("${CURL[@]}" -k "https://127.0.0.1:$C10M_SCHEDULER_PORT/healthz" 2>/dev/null)" == ok ]]; }
+healthy_kwok() { "${CURL[@]}" "http://127.0.0.1:$C10M_KWOK_PORT/healthz" >/dev/null 2>&1; }
 
 # port_owner PORT: describes who listens on 127.0.0.1:PORT (or any address), if anyone.
 port_owner() {
@@ -187,30 +187,6 @@ start() {
   echo "$pid" >"$PIDS/$name.pid"
   printf '%s' "$record" >"$PIDS/$name.cmd"
   echo "  $name: started (pid $pid, log $LOGS/$name.log)"
-}
-
-# wait_healthy NAME TIMEOUT [quiet]: polls the component's health check;
-# fails (printing its log unless quiet) if it exits or times out.
-wait_healthy() {
-  local name=$1 timeout=$2 quiet=${3:-} deadline pid
-  deadline=$(($(date +%s) + timeout))
-  while :; do
-    if "health_$name"; then return 0; fi
-    pid=$(cat "$PIDS/$name.pid" 2>/dev/null || true)
-    if ! pid_alive "$pid"; then
-      [[ -n "$quiet" ]] && return 1
-      echo "error: $name (pid $pid) exited during startup" >&2
-      log_tail "$name"
-      exit 1
-    fi
-    if (($(date +%s) >= deadline)); then
-      [[ -n "$quiet" ]] && return 1
-      echo "error: $name (pid $pid) not healthy after $timeout s" >&2
-      log_tail "$name"
-      exit 1
-    fi
-    sleep 0.2
-  done
 }
 
 echo "up: etcd"
