@@ -1350,6 +1350,40 @@ mod tests {
         assert_eq!(pace(3 + step).1, step as i32, "n2 given up: n1 goes alone");
     }
 
+    proptest::proptest! {
+        /// [`step_gate`], for any Ready times, moment, drain and current
+        /// gate: before the step may go no shard of it is available until
+        /// [`REQUEUE_MARGIN_SECONDS`] past that moment; from then on every
+        /// Ready one is available now.
+        #[test]
+        fn a_step_gate_holds_every_shard_then_opens_for_all(
+            first in 0i64..100,
+            spread in 0i64..5,
+            starting: bool,
+            gate_at in 0i64..200,
+            step in 0i64..60,
+            now_ms in 0i64..300_000,
+            current in proptest::option::of(0i32..300),
+        ) {
+            let (first_t, last_t, gate_t) = (at(first), at(first + spread), at(gate_at));
+            let now = at(0) + SignedDuration::from_millis(now_ms);
+            proptest::prop_assume!(now >= last_t);
+            let may_go = if starting {
+                gate_t.max(first_t + SignedDuration::from_secs(step))
+            } else {
+                gate_t
+            };
+            let gate = step_gate(first_t, last_t, starting, gate_t, step, now, current);
+            let available = |ready: Timestamp| ready + SignedDuration::from_secs(gate);
+            if now < may_go {
+                let margin = SignedDuration::from_secs(REQUEUE_MARGIN_SECONDS);
+                proptest::prop_assert!(available(first_t) >= may_go + margin, "{gate}");
+            } else {
+                proptest::prop_assert!(gate >= 0 && available(last_t) <= now, "{gate}");
+            }
+        }
+    }
+
     /// The clock alone ends a drain and settles cordons: the next of them
     /// still ahead is when the reconcile looks again.
     #[test]
