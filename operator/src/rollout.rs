@@ -408,11 +408,6 @@ impl Rollout {
             // sees the step: it stepped one shard every gate, 3 s, in
             // `tests/tests/ha.rs`).
             _ if all_cordoned && st.step_seconds == 0 && gate_at <= now => 0,
-            // Ready in one second, none starting: all available at once
-            // at `gate_at`.
-            Some((first, last)) if all_cordoned && first == last && !starting => {
-                seconds_until(*first, gate_at)
-            }
             Some((first, last)) if all_cordoned => step_gate(
                 *first,
                 *last,
@@ -466,17 +461,21 @@ impl Rollout {
     }
 }
 
-/// The gate for a step whose updated shards were Ready in different
-/// seconds (`first`, `last`), or while another of its shards is still
+/// The gate for the next step, whose updated shards were first and last
+/// Ready at `first` and `last` (every old shard serving is cordoned, and
+/// the step may go at `gate_at`), while another of its shards may still be
 /// `starting`, at `now`, given the gate the Deployment has (`current`).
 ///
-/// A pod is available once `minReadySeconds` have passed since it was
-/// Ready, and the ReplicaSet controller (Kubernetes 1.35) recounts its
-/// pods at the earliest such moment: a gate set ahead from `first` made
-/// only that shard available, the Deployment removed one old shard, and
-/// the gate raised for the next step held the other back a whole step (a
-/// step at half the budget, 1.85 × the ideal in one third-revision run of
-/// six, ADR 0011). So the gate is held until the step may go
+/// Shards Ready in one second, none starting, all become available at
+/// `gate_at`: the gate is set ahead, so the step goes on time even if
+/// this operator stops. Otherwise, a pod is available once
+/// `minReadySeconds` have passed since it was Ready, and the ReplicaSet
+/// controller (Kubernetes 1.35) recounts its pods at the earliest such
+/// moment: a gate set ahead from `first` made only that shard available,
+/// the Deployment removed one old shard, and the gate raised for the next
+/// step held the other back a whole step (a step at half the budget,
+/// 1.85 × the ideal in one third-revision run of six, ADR 0011). So the
+/// gate is held until the step may go
 /// ([`REQUEUE_MARGIN_SECONDS`] past it, in case this operator is late),
 /// and opened then: lowered so that every Ready one is available at once,
 /// in the ReplicaSet controller's next count. A shard still starting is
@@ -494,6 +493,9 @@ fn step_gate(
     now: Timestamp,
     current: Option<i32>,
 ) -> i64 {
+    if first == last && !starting {
+        return seconds_until(first, gate_at);
+    }
     let wait_until = if starting {
         gate_at.max(first + SignedDuration::from_secs(step_seconds))
     } else {
@@ -764,6 +766,17 @@ mod tests {
             "status": {"updatedReplicas": updated}
         }))
         .unwrap()
+    }
+
+    /// The status after `shards` old shards were all cordoned at `t`
+    /// seconds after [`T0`].
+    fn cordoned_at(shards: i32, t: i64) -> RolloutStatus {
+        RolloutStatus {
+            old_shards: shards,
+            cordoned_shards: shards,
+            last_cordon_time: Some(Time(at(t))),
+            ..Default::default()
+        }
     }
 
     fn names(shards: &[Shard]) -> Vec<&str> {
@@ -1224,12 +1237,7 @@ mod tests {
     #[test]
     fn a_step_that_closes_nothing_opens_the_gate_though_its_shard_was_ready_first() {
         let sets = [rs("1", "old"), rs("2", "new")];
-        let previous = RolloutStatus {
-            old_shards: 3,
-            cordoned_shards: 3,
-            last_cordon_time: Some(Time(at(0))),
-            ..Default::default()
-        };
+        let previous = cordoned_at(3, 0);
         let pods = [
             shard_pod("n1", "new", 0, None),
             shard_pod("n2", "new", 29, None),
@@ -1267,12 +1275,7 @@ mod tests {
     #[test]
     fn a_step_whose_shards_were_ready_in_different_seconds_opens_for_all_at_once() {
         let sets = [rs("1", "old"), rs("2", "new")];
-        let previous = RolloutStatus {
-            old_shards: 4,
-            cordoned_shards: 4,
-            last_cordon_time: Some(Time(at(4))),
-            ..Default::default()
-        };
+        let previous = cordoned_at(4, 4);
         let old = |n: &str| shard_pod(n, "old", -100, Some("900"));
         let pods = [
             shard_pod("n1", "new", 3, None),
@@ -1309,12 +1312,7 @@ mod tests {
     #[test]
     fn a_step_waits_for_a_starting_shard_no_longer_than_its_drain() {
         let sets = [rs("1", "old"), rs("2", "new")];
-        let previous = RolloutStatus {
-            old_shards: 4,
-            cordoned_shards: 4,
-            last_cordon_time: Some(Time(at(0))),
-            ..Default::default()
-        };
+        let previous = cordoned_at(4, 0);
         let mut starting = shard_pod("n2", "new", 0, None);
         starting
             .status
@@ -1352,9 +1350,10 @@ mod tests {
 
     proptest::proptest! {
         /// [`step_gate`], for any Ready times, moment, drain and current
-        /// gate: before the step may go no shard of it is available until
-        /// [`REQUEUE_MARGIN_SECONDS`] past that moment; from then on every
-        /// Ready one is available now.
+        /// gate: shards Ready in one second, none starting, are available
+        /// exactly when the step may go; otherwise no shard of the step is
+        /// available until [`REQUEUE_MARGIN_SECONDS`] past that moment, and
+        /// from then on every Ready one is available now.
         #[test]
         fn a_step_gate_holds_every_shard_then_opens_for_all(
             first in 0i64..100,
@@ -1375,7 +1374,9 @@ mod tests {
             };
             let gate = step_gate(first_t, last_t, starting, gate_t, step, now, current);
             let available = |ready: Timestamp| ready + SignedDuration::from_secs(gate);
-            if now < may_go {
+            if spread == 0 && !starting {
+                proptest::prop_assert_eq!(available(first_t), gate_t.max(first_t));
+            } else if now < may_go {
                 let margin = SignedDuration::from_secs(REQUEUE_MARGIN_SECONDS);
                 proptest::prop_assert!(available(first_t) >= may_go + margin, "{gate}");
             } else {
@@ -1460,13 +1461,10 @@ mod tests {
     #[test]
     fn a_template_changed_mid_drain_waits_for_its_end_and_holds_the_gate() {
         let previous = RolloutStatus {
-            old_shards: 2,
-            cordoned_shards: 2,
             step_seconds: 6,
-            last_cordon_time: Some(Time(at(0))),
             last_step_time: Some(Time(at(10))),
             draining_until: Some(Time(at(16))),
-            ..Default::default()
+            ..cordoned_at(2, 0)
         };
         assert_eq!(template_waits(Some(&previous), at(12)), Some(at(16)));
         assert_eq!(template_waits(Some(&previous), at(16)), None);
