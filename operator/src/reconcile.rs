@@ -418,15 +418,12 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
     };
     let node = observe::node_facts(&ctx.client, cache, fleet).await?; // client required
     let plan = plan_fleet(fleet, node, &ctx.policy)?; // no client required
-    let secret = observe::admin_secret(&ctx.client, &ns, &name).await?; // client required
-    let conflict =
-        observe::foreign_object(&ctx.client, cache, &ns, &name, &owner.uid, secret.as_ref())
-            .await?; // client required
-    reject_conflict(conflict)?; // no client required
-    let live = observe::deployment(&ctx.client, cache, &ns, &name).await?; // client required
+    let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid).await?; // client required
+    reject_conflict(owned.conflict)?; // no client required
+    let live = owned.deployment;
     let current = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
     let failed = |error| failed(&plan, None, error);
-    let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone(), secret)
+    let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone(), owned.secret)
         .await
         .map_err(failed)?; // client required
     let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required

@@ -35,13 +35,14 @@ where
         })
 }
 
-/// Applies the Deployment, Service and PodDisruptionBudget (in that order,
-/// stopping at the first failure) and returns the Deployment as stored,
+/// Applies the Deployment, Service and PodDisruptionBudget (concurrently:
+/// one round trip; each apply runs to its end, and the first failure in
+/// that order is the error) and returns the Deployment as stored,
 /// and whether its template was held back. One the `cache` holds already
 /// as rendered ([`cache::unchanged`]) is not applied: its stored copy
 /// stands for it. With `hold_template` (a rollout's step drains,
 /// [`crate::rollout::template_waits`]: the Deployment as stored, read
-/// once by the reconcile, [`super::observe::deployment`]) a Deployment
+/// once by the reconcile, [`super::observe::owned`]) a Deployment
 /// whose pod template would change ([`cache::template_change`]) is not
 /// applied either, its other changes (replicas) with it: they wait
 /// together for the drain's end, at most a step.
@@ -54,15 +55,23 @@ pub async fn objects(
 ) -> Result<(Deployment, bool), Error> {
     let want = &objects.deployment;
     let held = hold_template.filter(|live| cache::template_change(live, want).is_some());
-    let deployment = match held {
-        Some(live) => (live.clone(), true),
-        None => (
-            ensure(client, ns, cache.map(|c| &c.deployments), want).await?,
-            false,
-        ),
+    let deployment = async {
+        match held {
+            Some(live) => Ok((live.clone(), true)),
+            None => Ok((
+                ensure(client, ns, cache.map(|c| &c.deployments), want).await?,
+                false,
+            )),
+        }
     };
-    ensure(client, ns, cache.map(|c| &c.services), &objects.service).await?;
-    ensure(client, ns, cache.map(|c| &c.pdbs), &objects.pdb).await?;
+    let (deployment, service, pdb) = futures::join!(
+        deployment,
+        ensure(client, ns, cache.map(|c| &c.services), &objects.service),
+        ensure(client, ns, cache.map(|c| &c.pdbs), &objects.pdb),
+    );
+    let deployment = deployment?;
+    service?;
+    pdb?;
     Ok(deployment)
 }
 
@@ -161,7 +170,7 @@ pub fn secret_token(secret: &Secret) -> Option<String> {
 
 /// The fleet's admin token (the bearer token of its shards' `/drain` and
 /// `/shed`): from its Secret `<fleet>-admin` as the reconcile read it
-/// (`found`, [`super::observe::admin_secret`]), or, when there is none,
+/// (`found`, [`super::observe::owned`]), or, when there is none,
 /// from one created now (32 random bytes, hex) with the fleet as owner.
 /// Never rotated by the operator. When a create races another reconcile
 /// (409), the winner's Secret is read once more; a Secret without a usable

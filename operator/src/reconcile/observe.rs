@@ -119,81 +119,100 @@ pub async fn node_facts(
     Ok(nodes::resolve_sourced(&fleet.spec, observed))
 }
 
-/// The fleet's admin Secret `<fleet>-admin` as stored (`None`: not
-/// created yet), read once a reconcile: the ownership check
-/// ([`foreign_object`]) and the token ([`super::apply::admin_secret`])
-/// both take it from here. Secrets are not watched (that needs `list` and
-/// `watch` on every Secret; the chart grants `get` and `create`).
-pub async fn admin_secret(client: &Client, ns: &str, fleet: &str) -> Result<Option<Secret>, Error> {
-    let name = secret_name(fleet);
-    Api::<Secret>::namespaced(client.clone(), ns)
-        .get_opt(&name)
-        .await
-        .map_err(Error::observe(format!("get Secret {name}")))
+/// What fleet `name` would own, as stored, read once a reconcile and all
+/// at once (one round trip where the watch caches miss, not one per
+/// object): its Deployment, its admin Secret `<fleet>-admin`, and the first
+/// of its objects that exists but is controlled by something else.
+#[derive(Clone, Debug, Default)]
+pub struct Owned {
+    /// The Deployment as stored (`None` before it exists): its replicas now
+    /// (the metrics loop's start) and its pod template (a template change
+    /// held back during a rollout's drain, [`super::apply::objects`]).
+    pub deployment: Option<Deployment>,
+    /// The admin Secret (`None`: not created yet), whose token
+    /// [`super::apply::admin_secret`] takes. Secrets are not watched (that
+    /// needs `list` and `watch` on every Secret; the chart grants `get` and
+    /// `create`).
+    pub secret: Option<Secret>,
+    /// A message naming the first object (Deployment, Service,
+    /// PodDisruptionBudget, admin Secret) that exists and is not controlled
+    /// by the fleet's `uid`. The operator never adopts or rewrites such an
+    /// object.
+    pub conflict: Option<String>,
 }
 
-/// The first object the fleet would own (Deployment, Service,
-/// PodDisruptionBudget, admin Secret) that exists but is controlled by
-/// something else: a message naming it. The operator never adopts or
-/// rewrites such an object. An object the `cache` holds is read from it
-/// (it carries the operator's labels, but the owner is still checked);
-/// others are read through the API, except the admin `secret`, which the
-/// caller has read ([`admin_secret`]).
-pub async fn foreign_object(
+/// Reads [`Owned`] for fleet `name` (uid `uid`) in `ns`. An object the
+/// `cache` holds is read from it (it carries the operator's labels, but the
+/// owner is still checked); the others, and the Secret, through the API,
+/// concurrently. Errors: the first failed GET, as [`Error::Observe`].
+pub async fn owned(
     client: &Client,
     cache: Option<&Cache>,
     ns: &str,
     name: &str,
     uid: &str,
-    secret: Option<&Secret>,
-) -> Result<Option<String>, Error> {
-    async fn check<K>(
-        api: Api<K>,
-        store: Option<&kube::runtime::reflector::Store<cache::Stored<K>>>,
-        name: &str,
-        uid: &str,
-    ) -> Result<Option<String>, Error>
+) -> Result<Owned, Error> {
+    type Cached<K> = kube::runtime::reflector::Store<cache::Stored<K>>;
+    /// Object `name` of kind `K` through the API (`None`: not found).
+    async fn get<K>(client: &Client, ns: &str, name: &str) -> Result<Option<K>, Error>
     where
-        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + 'static,
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + std::fmt::Debug,
     {
-        let kind = K::kind(&());
-        let cached =
-            store.and_then(|s| cache::metadata(s, api.namespace().unwrap_or_default(), name));
-        let meta = match cached {
-            Some(m) => Some(m),
-            None => api
-                .get_opt(name)
-                .await
-                .map_err(Error::observe(format!("get {kind} {name}")))?
-                .map(|o| o.meta().clone()),
-        };
-        Ok(not_ours::<K>(meta.as_ref(), name, uid))
+        Api::<K>::namespaced(client.clone(), ns)
+            .get_opt(name)
+            .await
+            .map_err(Error::observe(format!("get {} {name}", K::kind(&()))))
     }
-    let found = [
-        check(
-            Api::<Deployment>::namespaced(client.clone(), ns),
-            cache.map(|c| &c.deployments),
-            name,
-            uid,
-        )
-        .await?,
-        check(
-            Api::<Service>::namespaced(client.clone(), ns),
-            cache.map(|c| &c.services),
-            name,
-            uid,
-        )
-        .await?,
-        check(
-            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
-            cache.map(|c| &c.pdbs),
-            name,
-            uid,
-        )
-        .await?,
-        not_ours::<Secret>(secret.map(|s| &s.metadata), &secret_name(name), uid),
-    ];
-    Ok(found.into_iter().flatten().next())
+    /// The metadata of object `name` of kind `K`: the `store`'s when it
+    /// holds it (the object is not parsed), else the API's.
+    async fn meta<K>(
+        client: &Client,
+        store: Option<&Cached<K>>,
+        ns: &str,
+        name: &str,
+    ) -> Result<Option<ObjectMeta>, Error>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + std::fmt::Debug
+            + 'static,
+    {
+        match store.and_then(|s| cache::metadata(s, ns, name)) {
+            Some(m) => Ok(Some(m)),
+            None => Ok(get::<K>(client, ns, name).await?.map(|o| o.meta().clone())),
+        }
+    }
+    let deployment = async {
+        match cache.and_then(|c| cache::get(&c.deployments, ns, name)) {
+            Some(d) => Ok(Some(d)),
+            None => get::<Deployment>(client, ns, name).await,
+        }
+    };
+    let secret_name = secret_name(name);
+    let (deployment, service, pdb, secret) = futures::try_join!(
+        deployment,
+        meta::<Service>(client, cache.map(|c| &c.services), ns, name),
+        meta::<PodDisruptionBudget>(client, cache.map(|c| &c.pdbs), ns, name),
+        get::<Secret>(client, ns, &secret_name),
+    )?;
+    let conflict = [
+        not_ours::<Deployment>(deployment.as_ref().map(|o| &o.metadata), name, uid),
+        not_ours::<Service>(service.as_ref(), name, uid),
+        not_ours::<PodDisruptionBudget>(pdb.as_ref(), name, uid),
+        not_ours::<Secret>(secret.as_ref().map(|o| &o.metadata), &secret_name, uid),
+    ]
+    .into_iter()
+    .flatten()
+    .next();
+    Ok(Owned {
+        deployment,
+        secret,
+        conflict,
+    })
 }
 
 /// The message naming object `name` of kind `K` when it exists (`meta`)
@@ -213,25 +232,6 @@ fn not_ours<K: Resource<DynamicType = ()>>(
     meta.filter(|m| !ours(m)).map(|_| {
         format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
     })
-}
-
-/// The fleet's Deployment as stored (`None` before it exists), from the
-/// `cache` when it holds it: its replicas now (the metrics loop's start),
-/// and its pod template (a template change held back during a rollout's
-/// drain, [`super::apply::objects`]).
-pub async fn deployment(
-    client: &Client,
-    cache: Option<&Cache>,
-    ns: &str,
-    name: &str,
-) -> Result<Option<Deployment>, Error> {
-    match cache.and_then(|c| cache::get(&c.deployments, ns, name)) {
-        Some(d) => Ok(Some(d)),
-        None => Api::<Deployment>::namespaced(client.clone(), ns)
-            .get_opt(name)
-            .await
-            .map_err(Error::observe(format!("get Deployment {name}"))),
-    }
 }
 
 /// The fleet's ReplicaSets and, while its Deployment has fewer ready
