@@ -125,7 +125,7 @@ bench-scale: deps build images
 	. tests/cluster/scale.env && export KUBECONFIG=$$C10M_STATE/kubeconfig \
 	  WATCHDOG_CLEANUP="$(BENCH_SCALE_CLEANUP)" && \
 	  bash tools/watchdog.sh 900 3072 -- target/debug/c10m-bench-scale \
-	    --operator target/x86_64-unknown-linux-musl/release/c10m-operator $(BENCH_SCALE_ARGS)
+	    --operator target/x86_64-unknown-linux-musl/release-size/c10m-operator $(BENCH_SCALE_ARGS)
 
 test-server-scale:
 	$(CARGO) build --release -p c10m-loadgen

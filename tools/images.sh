@@ -9,7 +9,9 @@
 #   $C10M_CACHE/images/c10m-operator.tar
 #
 # 1. cargo builds the three binaries statically for x86_64-unknown-linux-musl
-#    (target/x86_64-unknown-linux-musl/release, apart from the debug builds).
+#    (apart from the debug builds): the server's two under the `release`
+#    profile (target/x86_64-unknown-linux-musl/release), the operator under
+#    `release-size` (…/release-size; Cargo.toml says why).
 # 2. Each image's build context, target/images/{server,operator}/, gets its
 #    binaries; the Dockerfiles are FROM scratch and only COPY them.
 # 3. buildah (Debian's, daemonless; vfs storage and temp files under
@@ -41,7 +43,8 @@ exec 9>"$cache/images.lock"
 flock 9
 triple=x86_64-unknown-linux-musl
 target_dir=${CARGO_TARGET_DIR:-target}
-bin_dir=$target_dir/$triple/release
+server_bins=$target_dir/$triple/release
+operator_bins=$target_dir/$triple/release-size
 ctx_root=$target_dir/images
 
 # One version for both images: the workspace's, which the chart's appVersion
@@ -63,27 +66,29 @@ if [[ -z ${CC_x86_64_unknown_linux_musl:-} ]] &&
    ! command -v musl-gcc >/dev/null && ! command -v x86_64-linux-musl-gcc >/dev/null; then
   export CC_x86_64_unknown_linux_musl=cc
 fi
-echo "== cargo build --release --target $triple (c10m-server, c10m-sysctl, c10m-operator)" >&2
-"${CARGO:-cargo}" build --release --locked --target "$triple" \
-  -p c10m-server -p c10m-operator --bins
+echo "== cargo build --release --target $triple (c10m-server, c10m-sysctl)" >&2
+"${CARGO:-cargo}" build --release --locked --target "$triple" -p c10m-server --bins
+echo "== cargo build --profile release-size --target $triple (c10m-operator)" >&2
+"${CARGO:-cargo}" build --profile release-size --locked --target "$triple" \
+  -p c10m-operator --bin c10m-operator
 
-for b in c10m-server c10m-sysctl c10m-operator; do
+for bin in "$server_bins/c10m-server" "$server_bins/c10m-sysctl" "$operator_bins/c10m-operator"; do
   if command -v readelf >/dev/null &&
-     LC_ALL=C readelf -lW "$bin_dir/$b" | grep -q 'program interpreter'; then
-    echo "error: $bin_dir/$b is dynamically linked" >&2
+     LC_ALL=C readelf -lW "$bin" | grep -q 'program interpreter'; then
+    echo "error: $bin is dynamically linked" >&2
     exit 1
   fi
 done
 
 # --- 2. build contexts ----------------------------------------------------
-fill() { # fill CONTEXT BINARY...: the context holds exactly these binaries
-  local ctx=$ctx_root/$1; shift
+fill() { # fill CONTEXT DIR BINARY...: the context holds exactly these binaries of DIR
+  local ctx=$ctx_root/$1 dir=$2; shift 2
   rm -rf "$ctx.new" && mkdir -p "$ctx.new"
-  for b in "$@"; do install -m 0755 "$bin_dir/$b" "$ctx.new/$b"; done
+  for b in "$@"; do install -m 0755 "$dir/$b" "$ctx.new/$b"; done
   rm -rf "$ctx" && mv "$ctx.new" "$ctx"
 }
-fill server c10m-server c10m-sysctl
-fill operator c10m-operator
+fill server "$server_bins" c10m-server c10m-sysctl
+fill operator "$operator_bins" c10m-operator
 
 if $contexts_only; then
   echo "$ctx_root/server"

@@ -92,7 +92,10 @@ struct Args {
     #[arg(long, default_value_t = 4096)]
     min_available_mib: u64,
     /// The operator binary.
-    #[arg(long, default_value = "target/release/c10m-operator")]
+    #[arg(
+        long,
+        default_value = "target/x86_64-unknown-linux-musl/release-size/c10m-operator"
+    )]
     operator: PathBuf,
     /// Loopback port of the operator's /metrics.
     #[arg(long, default_value_t = 18090)]
