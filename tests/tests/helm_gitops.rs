@@ -215,6 +215,22 @@ fn rv(ns: &str, kind: &str, name: &str) -> Value {
     get_json(ns, kind, name).unwrap()["metadata"]["resourceVersion"].clone()
 }
 
+/// Object `name` of `kind` in `ns` as stored, with its managed fields
+/// (`kubectl get` leaves them out by default).
+fn with_managed_fields(ns: &str, kind: &str, name: &str) -> Value {
+    let args = [
+        "get",
+        "-n",
+        ns,
+        kind,
+        name,
+        "-o",
+        "json",
+        "--show-managed-fields",
+    ];
+    serde_json::from_str(&kubectl(&args)).unwrap()
+}
+
 /// The Deployment `ns/name` without what its controller writes: no
 /// `status`, no `resourceVersion`, and only the managed-fields entries of
 /// writes to the main resource (each with its manager, time and fields).
@@ -222,25 +238,15 @@ fn rv(ns: &str, kind: &str, name: &str) -> Value {
 /// time (a pod turning available after `minReadySeconds`); this moves only
 /// when someone writes the spec or metadata.
 fn deployment_writes(ns: &str, name: &str) -> Value {
-    let mut d: Value = serde_json::from_str(&kubectl(&[
-        "get",
-        "-n",
-        ns,
-        "deployment",
-        name,
-        "-o",
-        "json",
-        "--show-managed-fields",
-    ]))
-    .unwrap();
-    let d = d.as_object_mut().unwrap();
-    d.remove("status");
-    let meta = d["metadata"].as_object_mut().unwrap();
+    let mut d = with_managed_fields(ns, "deployment", name);
+    let o = d.as_object_mut().unwrap();
+    o.remove("status");
+    let meta = o["metadata"].as_object_mut().unwrap();
     meta.remove("resourceVersion");
     let fields = meta["managedFields"].as_array_mut().unwrap();
     fields.retain(|e| e["subresource"] != "status");
     assert!(!fields.is_empty(), "no managed fields on {ns}/{name}");
-    Value::Object(d.clone())
+    d
 }
 
 /// `kubectl auth can-i ARGS` with `kubeconfig` (a ServiceAccount's).
@@ -583,17 +589,7 @@ fn gitops_reapply_is_a_no_op_and_managers_do_not_fight() {
     assert_eq!(before, after, "a re-apply changed something");
 
     // The operator never writes spec: its managed fields are all on the status subresource.
-    let f: Value = serde_json::from_str(&kubectl(&[
-        "get",
-        "-n",
-        fns,
-        "connectionfleet",
-        "git",
-        "-o",
-        "json",
-        "--show-managed-fields",
-    ]))
-    .unwrap();
+    let f = with_managed_fields(fns, "connectionfleet", "git");
     let entries: Vec<&Value> = f["metadata"]["managedFields"]
         .as_array()
         .unwrap()
