@@ -32,6 +32,10 @@
 //! annotation on a running pod restarts its server (SIGTERM, then a start
 //! with the new limit).
 //!
+//! Like a kubelet, it runs each container's HTTP readiness probe and
+//! reports the result in the pod's `Ready` condition, from the server's
+//! first answer on ([`probe`]): a cordoned or draining shard turns NotReady.
+//!
 //! Invariants: at most one server per pod UID, and at most one live server
 //! per IP (a new pod that reuses the IP of a draining one waits for it).
 
@@ -45,12 +49,16 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, KeyToPath, Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
+
+mod probe;
 
 /// Command line of `c10m-pod-runner`.
 #[derive(Parser, Debug)]
@@ -104,6 +112,11 @@ struct Server {
     volumes: Vec<SecretVolume>,
     /// The [`TEST_RLIMIT_NOFILE`] it was started with.
     nofile: Option<u64>,
+    /// Its readiness probe's results, when the container has one.
+    readiness: Option<probe::Readiness>,
+    /// The readiness last written to the pod's status (at start: what KWOK
+    /// wrote).
+    reported: Option<bool>,
 }
 
 /// Pod annotation (tests only): start the pod's server with RLIMIT_NOFILE
@@ -309,6 +322,12 @@ fn rewrite(value: &str, mounts: &[(String, PathBuf)]) -> String {
     value.to_string()
 }
 
+/// A readiness probe's result, reported by the task that ran it.
+struct Probed {
+    uid: String,
+    ok: bool,
+}
+
 /// A server's exit, reported by the task that waits on it.
 struct Exit {
     uid: String,
@@ -328,6 +347,7 @@ struct Runner {
     /// Pods already reported as waiting for their IP (logged once).
     waiting: HashSet<String>,
     exits: mpsc::UnboundedSender<Exit>,
+    probes: mpsc::UnboundedSender<Probed>,
 }
 
 fn pod_key(pod: &Pod) -> String {
@@ -424,6 +444,8 @@ impl Runner {
         self.backoff.retain(|uid, _| by_uid.contains_key(uid));
         self.waiting.retain(|uid| by_uid.contains_key(uid));
 
+        self.probe(now, &by_uid).await;
+
         // Secrets that changed reach the volumes of running servers.
         for s in self.servers.values_mut().filter(|s| s.term.is_none()) {
             for v in &mut s.volumes {
@@ -434,6 +456,56 @@ impl Runner {
                     v.refresh(&s.pod, Some(&secret));
                 }
             }
+        }
+    }
+
+    /// Starts the readiness probes that are due, and writes a readiness
+    /// that changed to its pod's status. A failed write is retried at the
+    /// next reconcile.
+    async fn probe(&mut self, now: Instant, pods: &HashMap<String, &Pod>) {
+        for (uid, s) in &mut self.servers {
+            let Some(r) = s.readiness.as_mut().filter(|_| s.term.is_none()) else {
+                continue;
+            };
+            if r.due(now) {
+                r.started(now);
+                let (probe, probes, uid) = (r.probe.clone(), self.probes.clone(), uid.clone());
+                tokio::task::spawn_blocking(move || {
+                    let ok = probe.call();
+                    let _ = probes.send(Probed { uid, ok });
+                });
+            }
+            let (Some(ready), Some(pod)) = (r.ready(), pods.get(uid)) else {
+                continue;
+            };
+            if s.reported == Some(ready) {
+                continue;
+            }
+            let api: Api<Pod> =
+                Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+            let now = Time(k8s_openapi::jiff::Timestamp::now());
+            let patch = Patch::Merge(probe::status_patch(pod, ready, now));
+            match api
+                .patch_status(&pod.name_any(), &PatchParams::default(), &patch)
+                .await
+            {
+                Ok(_) => {
+                    info!(pod = %s.pod, ready, "readiness probe: pod status written");
+                    s.reported = Some(ready);
+                }
+                Err(e) => warn!(pod = %s.pod, ready, "readiness not written: {e}"),
+            }
+        }
+    }
+
+    /// Counts a readiness probe's result.
+    fn probed(&mut self, p: Probed) {
+        if let Some(r) = self
+            .servers
+            .get_mut(&p.uid)
+            .and_then(|s| s.readiness.as_mut())
+        {
+            r.observe(p.ok);
         }
     }
 
@@ -564,7 +636,10 @@ impl Runner {
         let grace = spec
             .termination_grace_period_seconds
             .map_or(DEFAULT_GRACE, |g| Duration::from_secs(g.max(0) as u64));
-        info!(pod = %key, pid, %ip, log = %log_path.display(), ?nofile, "started c10m-server");
+        let readiness =
+            probe::Probe::of(container, ip).map(|p| probe::Readiness::new(p, Instant::now()));
+        info!(pod = %key, pid, %ip, log = %log_path.display(), ?nofile,
+              probe = ?readiness.as_ref().map(|r| &r.probe.url), "started c10m-server");
         self.servers.insert(
             uid.to_string(),
             Server {
@@ -576,6 +651,8 @@ impl Runner {
                 killed: false,
                 volumes,
                 nofile,
+                readiness,
+                reported: probe::pod_ready(pod),
             },
         );
         let exits = self.exits.clone();
@@ -840,6 +917,7 @@ async fn main() -> Result<()> {
         .default_backoff()
     ));
     let (tx, mut exits) = mpsc::unbounded_channel();
+    let (probe_tx, mut probes) = mpsc::unbounded_channel();
     let shutdown_timeout = Duration::from_secs(args.shutdown_timeout_secs);
     info!(selector = %args.selector, server = %server_bin.display(),
           logs = %args.log_dir.display(), volumes = %volume_dir.display(),
@@ -853,10 +931,13 @@ async fn main() -> Result<()> {
         backoff: HashMap::new(),
         waiting: HashSet::new(),
         exits: tx,
+        probes: probe_tx,
     };
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    // A quarter of the rendered probe period (1 s), so a probe starts
+    // within 250 ms of being due.
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut ready = false;
     loop {
@@ -873,6 +954,7 @@ async fn main() -> Result<()> {
                 }
             }
             Some(exit) = exits.recv() => runner.exited(exit),
+            Some(p) = probes.recv() => runner.probed(p),
             _ = tick.tick() => {}
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
