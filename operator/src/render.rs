@@ -1512,6 +1512,7 @@ mod tests {
         let root =
             std::env::temp_dir().join(format!("c10m-render-subprotocols-{}", std::process::id()));
         let cfg = server_config(&c, &root);
+        std::fs::remove_dir_all(&root).unwrap();
         let names: Vec<&str> = cfg.subprotocols.names().iter().map(|n| &**n).collect();
         assert_eq!(names, ["mqtt", "v2.chat.example"]);
         let none = case(json!({"connections": 2_000_000, "backend": {"protocol": "websocket"}}));
