@@ -437,7 +437,8 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         Ok(applied) => applied,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
     };
-    let workload = observe::workload(&ctx.client, &ns, &name, &deployment).await; // client required
+    let workload =
+        observe::workload(&ctx.client, &ns, &name, &deployment, previous.is_some()).await; // client required
     let workload = match workload {
         Ok(workload) => workload,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),

@@ -247,15 +247,41 @@ pub struct Workload {
     pub pods: Vec<Pod>,
 }
 
+/// Whether `deployment` stands as asked, nothing under way: the Deployment
+/// controller has observed its latest generation, and every replica it
+/// asks for runs the current template and is ready (`status.replicas`
+/// counts the old template's pods too).
+pub fn settled(deployment: &Deployment) -> bool {
+    let (Some(spec), Some(status)) = (&deployment.spec, &deployment.status) else {
+        return false;
+    };
+    let wanted = spec.replicas.unwrap_or(1);
+    deployment.metadata.generation.is_some()
+        && status.observed_generation == deployment.metadata.generation
+        && status.replicas == Some(wanted)
+        && status.updated_replicas == Some(wanted)
+        && status.ready_replicas == Some(wanted)
+}
+
 /// Lists the workload of fleet `name`, as the Deployment stored after the
 /// apply stands. ReplicaSets carry the pod template's labels, so the fleet
 /// label selects them without a watch on every ReplicaSet in the cluster.
+/// Lists nothing when the Deployment is [`settled`] and the fleet's status
+/// has no rollout to carry on (`rollout_recorded` false, so no drain to wait
+/// out): no rollout, no refusal and no pull error can be read then, and
+/// the lists would find only the current ReplicaSet, and the older ones at
+/// 0 replicas. Most of a fleet's reconciles (its status, its Service or
+/// budget, a node's change) come while it is settled.
 pub async fn workload(
     client: &Client,
     ns: &str,
     name: &str,
     deployment: &Deployment,
+    rollout_recorded: bool,
 ) -> Result<Workload, Error> {
+    if !rollout_recorded && settled(deployment) {
+        return Ok(Workload::default());
+    }
     let by_fleet = ListParams::default().labels(&format!("{FLEET_LABEL}={name}"));
     let replica_sets = Api::<ReplicaSet>::namespaced(client.clone(), ns)
         .list(&by_fleet)
@@ -310,6 +336,38 @@ mod tests {
         f.metadata.resource_version = Some(resource_version.into());
         f.metadata.generation = Some(generation);
         f
+    }
+
+    fn deployment(generation: i64, status: serde_json::Value) -> Deployment {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "f", "namespace": "ns", "generation": generation},
+            "spec": {"replicas": 4, "selector": {}, "template": {}},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_a_deployment_standing_as_asked_is_settled() {
+        let all = serde_json::json!({
+            "observedGeneration": 3, "replicas": 4, "updatedReplicas": 4, "readyReplicas": 4
+        });
+        assert!(settled(&deployment(3, all.clone())));
+        // A template the controller has not observed yet.
+        assert!(!settled(&deployment(4, all.clone())));
+        // A rollout: old pods beside the updated ones, or updated ones not
+        // ready yet.
+        let mut rolling = all.clone();
+        rolling["replicas"] = 6.into();
+        assert!(!settled(&deployment(3, rolling)));
+        let mut starting = all.clone();
+        starting["updatedReplicas"] = 2.into();
+        assert!(!settled(&deployment(3, starting)));
+        let mut unready = all;
+        unready["readyReplicas"] = 3.into();
+        assert!(!settled(&deployment(3, unready)));
+        // Just created: no status yet.
+        assert!(!settled(&deployment(1, serde_json::json!({}))));
     }
 
     #[test]
