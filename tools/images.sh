@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # tools/images.sh: `make images`. Builds the server image (c10m-server +
-# c10m-sysctl, server-image/Dockerfile) and the operator image
-# (operator/Dockerfile) offline, and writes them as docker-archive tars that
+# c10m-sysctl, server-image/Dockerfile), the operator image
+# (operator/Dockerfile) and the loadgen image (c10m-loadgen +
+# c10m-calibrate-probe, tools/loadgen/Dockerfile: the probe the operator's
+# `calibrate` runs) offline, and writes them as docker-archive tars that
 # `ctr -n k8s.io images import` takes under the names the operator and the chart
-# render (docker.io/c10m/server:TAG, docker.io/c10m/operator:TAG):
+# render (docker.io/c10m/server:TAG, docker.io/c10m/operator:TAG,
+# docker.io/c10m/loadgen:TAG):
 #
 #   $C10M_CACHE/images/c10m-server.tar
 #   $C10M_CACHE/images/c10m-operator.tar
+#   $C10M_CACHE/images/c10m-loadgen.tar
 #
-# 1. cargo builds the three binaries statically for x86_64-unknown-linux-musl
-#    (apart from the debug builds): the server's two under the `release`
-#    profile (target/x86_64-unknown-linux-musl/release), the operator under
-#    `release-size` (…/release-size; Cargo.toml says why).
-# 2. Each image's build context, target/images/{server,operator}/, gets its
-#    binaries; the Dockerfiles are FROM scratch and only COPY them.
+# 1. cargo builds the five binaries statically for x86_64-unknown-linux-musl
+#    (apart from the debug builds): the server's two and the loadgen's two
+#    under the `release` profile (target/x86_64-unknown-linux-musl/release),
+#    the operator under `release-size` (…/release-size; Cargo.toml says why).
+# 2. Each image's build context, target/images/{server,operator,loadgen}/,
+#    gets its binaries; the Dockerfiles are FROM scratch and only COPY them.
 # 3. buildah (Debian's, daemonless; vfs storage and temp files under
 #    $C10M_CACHE/buildah, chroot isolation, nothing pulled) builds each image
 #    and pushes it to its archive. An image whose Dockerfile, binaries and this
@@ -25,6 +29,7 @@
 #        tools/images.sh --contexts  steps 1-2 only, for `docker build`:
 #   docker build -f server-image/Dockerfile -t c10m/server:0.1.0 target/images/server
 #   docker build -f operator/Dockerfile -t c10m/operator:0.1.0 target/images/operator
+#   docker build -f tools/loadgen/Dockerfile -t c10m/loadgen:0.1.0 target/images/loadgen
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -43,11 +48,11 @@ exec 9>"$cache/images.lock"
 flock 9
 triple=x86_64-unknown-linux-musl
 target_dir=${CARGO_TARGET_DIR:-target}
-server_bins=$target_dir/$triple/release
+release_bins=$target_dir/$triple/release
 operator_bins=$target_dir/$triple/release-size
 ctx_root=$target_dir/images
 
-# One version for both images: the workspace's, which the chart's appVersion
+# One version for all images: the workspace's, which the chart's appVersion
 # (the operator's tag) and the operator's default server image must match.
 tag=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' Cargo.toml)
 app=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/c10m-operator/Chart.yaml)
@@ -68,11 +73,14 @@ if [[ -z ${CC_x86_64_unknown_linux_musl:-} ]] &&
 fi
 echo "== cargo build --release --target $triple (c10m-server, c10m-sysctl)" >&2
 "${CARGO:-cargo}" build --release --locked --target "$triple" -p c10m-server --bins
+echo "== cargo build --release --target $triple (c10m-loadgen, c10m-calibrate-probe)" >&2
+"${CARGO:-cargo}" build --release --locked --target "$triple" -p c10m-loadgen --bins
 echo "== cargo build --profile release-size --target $triple (c10m-operator)" >&2
 "${CARGO:-cargo}" build --profile release-size --locked --target "$triple" \
   -p c10m-operator --bin c10m-operator
 
-for bin in "$server_bins/c10m-server" "$server_bins/c10m-sysctl" "$operator_bins/c10m-operator"; do
+for bin in "$release_bins/c10m-server" "$release_bins/c10m-sysctl" "$operator_bins/c10m-operator" \
+           "$release_bins/c10m-loadgen" "$release_bins/c10m-calibrate-probe"; do
   if command -v readelf >/dev/null &&
      LC_ALL=C readelf -lW "$bin" | grep -q 'program interpreter'; then
     echo "error: $bin is dynamically linked" >&2
@@ -87,12 +95,14 @@ fill() { # fill CONTEXT DIR BINARY...: the context holds exactly these binaries 
   for b in "$@"; do install -m 0755 "$dir/$b" "$ctx.new/$b"; done
   rm -rf "$ctx" && mv "$ctx.new" "$ctx"
 }
-fill server "$server_bins" c10m-server c10m-sysctl
+fill server "$release_bins" c10m-server c10m-sysctl
 fill operator "$operator_bins" c10m-operator
+fill loadgen "$release_bins" c10m-loadgen c10m-calibrate-probe
 
 if $contexts_only; then
   echo "$ctx_root/server"
   echo "$ctx_root/operator"
+  echo "$ctx_root/loadgen"
   exit 0
 fi
 
@@ -154,10 +164,11 @@ build() { # build NAME DOCKERFILE CONTEXT
 }
 build server server-image/Dockerfile "$ctx_root/server"
 build operator operator/Dockerfile "$ctx_root/operator"
+build loadgen tools/loadgen/Dockerfile "$ctx_root/loadgen"
 cleanup_varlib
 
 # --- 4. report ----------------------------------------------------------------
-python3 - "$out/c10m-server.tar" "$out/c10m-operator.tar" <<'EOF' | tee "$out/images.json"
+python3 - "$out/c10m-server.tar" "$out/c10m-operator.tar" "$out/c10m-loadgen.tar" <<'EOF' | tee "$out/images.json"
 import hashlib, json, os, sys, tarfile
 
 images = []

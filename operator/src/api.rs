@@ -29,6 +29,9 @@ pub const MAX_CONNECTIONS: i64 = 10_000_000_000;
 /// Image of the bundled server (and of the `c10m-sysctl` init tool it carries).
 pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
 
+/// Image of the load generator and the calibration probe (`make images`).
+pub const DEFAULT_LOADGEN_IMAGE: &str = "c10m/loadgen:0.1.0";
+
 /// A fleet of SO_REUSEPORT server shards that must hold `spec.connections`
 /// concurrent connections. The operator derives shards, resources and
 /// sysctls from the capacity model and reports them in `status.plan`.

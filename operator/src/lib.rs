@@ -14,6 +14,8 @@
 //! - [`autoscale`]: the metrics loop, observe (I/O) → decide (pure) → act (I/O);
 //! - [`status`]: the next status and the events a change announces (pure);
 //! - [`reconcile`]: the driver and the I/O of each step;
+//! - [`calibrate`]: one shard and the calibration probe on the cluster, fitted
+//!   by `plan::calibration` (`c10m-operator calibrate`);
 //! - [`controller`]: watches, predicates, CRD install, run configuration;
 //! - [`leader`]: leader election on a Lease; runs the controller while held;
 //! - [`telemetry`], [`table`]: the operator's own metrics; plan tables.
@@ -22,6 +24,7 @@
 
 pub mod api;
 pub mod autoscale;
+pub mod calibrate;
 pub mod controller;
 pub mod leader;
 pub mod names;

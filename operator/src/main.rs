@@ -1,4 +1,5 @@
-//! `c10m-operator`: `run` the controller, print the `crd`, or `plan` a fleet offline.
+//! `c10m-operator`: `run` the controller, print the `crd`, `plan` a fleet
+//! offline, or `calibrate` its server image on the cluster.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -12,7 +13,7 @@ use c10m_operator::api::{self, ConnectionFleet};
 use c10m_operator::plan::nodes;
 use c10m_operator::plan::{self, NodeFacts, NodeRuntime};
 use c10m_operator::policy::Policy;
-use c10m_operator::{controller, leader, table};
+use c10m_operator::{calibrate, controller, leader, table};
 
 #[derive(Parser)]
 #[command(
@@ -100,6 +101,35 @@ enum Command {
         #[arg(long, value_parser = clap::value_parser!(i64).range(1..=100_000))]
         node_cpus: Option<i64>,
         /// Plan under this policy file (sysctl ceilings, grace bound) instead of the built-in one.
+        #[arg(long)]
+        policy_file: Option<PathBuf>,
+    },
+    /// Measure what one connection of a fleet's server image costs: run one
+    /// shard of it on the cluster, as planned, with the calibration probe
+    /// next to it; print the figures, the plan before and after, and the
+    /// `spec.backend` to paste. Removes its pods when done.
+    Calibrate {
+        /// Manifest with one ConnectionFleet ("-" for stdin); it need not be applied.
+        #[arg(short = 'f', long = "filename")]
+        file: PathBuf,
+        /// Idle connections at which to sample, ascending (default: half and all of what
+        /// the shard's cap and one probe process allow).
+        #[arg(long, value_delimiter = ',')]
+        steps: Vec<u64>,
+        /// Slow readers opened after the last step, each sending 1 MiB and reading
+        /// nothing (default: 1 % of the last step).
+        #[arg(long)]
+        slow_readers: Option<u64>,
+        /// Image holding the calibration probe.
+        #[arg(long, default_value = api::DEFAULT_LOADGEN_IMAGE)]
+        probe_image: String,
+        /// Seconds the calibration may take, pods' start included.
+        #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(60..=86_400))]
+        timeout_seconds: u64,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+        output: Output,
+        /// Plan under this policy file instead of the built-in one.
         #[arg(long)]
         policy_file: Option<PathBuf>,
     },
@@ -221,6 +251,44 @@ fn plan_offline(
     Ok(())
 }
 
+async fn calibrate(
+    file: &PathBuf,
+    options: calibrate::Options,
+    output: Output,
+    policy: &Policy,
+) -> anyhow::Result<()> {
+    let mut fleets = read_fleets(file)?;
+    if fleets.len() != 1 {
+        bail!(
+            "{} holds {} ConnectionFleets; calibrate takes one",
+            file.display(),
+            fleets.len()
+        );
+    }
+    let mut fleet = fleets.remove(0);
+    let client = kube::Client::try_default()
+        .await
+        .context("cannot build a Kubernetes client")?;
+    if fleet.metadata.namespace.is_none() {
+        fleet.metadata.namespace = Some(client.default_namespace().to_string());
+    }
+    let name = format!(
+        "{}/{}",
+        fleet.metadata.namespace.clone().unwrap_or_default(),
+        fleet.metadata.name.clone().unwrap_or_default()
+    );
+    let outcome = calibrate::run(&client, &fleet, policy, &options)
+        .await
+        .with_context(|| format!("calibration of {name}"))?;
+    let summary = calibrate::Summary::new(name, &outcome);
+    match output {
+        Output::Table => print!("{}", table::calibration_table(&summary)),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&summary)?),
+        Output::Yaml => print!("{}", serde_yaml::to_string(&summary)?),
+    }
+    Ok(())
+}
+
 async fn print_status(namespace: Option<String>) -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
@@ -299,6 +367,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let policy = Policy::load(policy_file.as_deref())?;
             plan_offline(&file, output, node_memory, node_cpus, &policy)
+        }
+        Command::Calibrate {
+            file,
+            steps,
+            slow_readers,
+            probe_image,
+            timeout_seconds,
+            output,
+            policy_file,
+        } => {
+            let policy = Policy::load(policy_file.as_deref())?;
+            let options = calibrate::Options {
+                steps,
+                slow_readers,
+                probe_image,
+                timeout: std::time::Duration::from_secs(timeout_seconds),
+            };
+            tokio::runtime::Runtime::new()?.block_on(calibrate(&file, options, output, &policy))
         }
         Command::Status { namespace } => {
             tokio::runtime::Runtime::new()?.block_on(print_status(namespace))

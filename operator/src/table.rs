@@ -4,6 +4,8 @@ use comfy_table::{Table, presets::NOTHING};
 
 use crate::api::Plan;
 use crate::api::sysctl::join_names;
+use crate::calibrate::Summary;
+use crate::plan::calibration::Bytes;
 
 fn bytes(b: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -18,6 +20,92 @@ fn bytes(b: i64) -> String {
     } else {
         format!("{v:.1} {} ({b} B)", UNITS[u])
     }
+}
+
+/// `c10m-operator calibrate -o table`: the measured figures against the
+/// model, each step's figure, the plan before and after, and the
+/// `spec.backend` to paste for a fixed figure.
+pub fn calibration_table(s: &Summary) -> String {
+    let m = &s.measured;
+    let mut out = format!(
+        "CALIBRATION {} on node {} ({} cgroups, sockets {}accounted), {:.0} s\nimage {} ({})\n\n",
+        s.fleet,
+        s.node,
+        m.cgroup_mode,
+        if m.socket_accounted { "" } else { "not " },
+        s.seconds,
+        s.image,
+        s.image_id,
+    );
+    let mut t = Table::new();
+    t.load_preset(NOTHING);
+    t.set_header(vec!["BYTES", "USER", "KERNEL", "POD"]);
+    let model = &s.model.per_connection;
+    t.add_row(vec![
+        "model, per idle connection".into(),
+        model.user.to_string(),
+        model.kernel.to_string(),
+        model.total.to_string(),
+    ]);
+    let row = |label: String, b: &Bytes| {
+        vec![
+            label,
+            format!("{:.0}", b.user),
+            format!("{:.0}", b.kernel),
+            format!("{:.0}", b.pod),
+        ]
+    };
+    t.add_row(row(
+        format!("measured, per idle connection (fit to {})", m.connections),
+        &m.per_connection,
+    ));
+    for step in &m.steps {
+        t.add_row(row(
+            format!("  at {} connections", step.connections),
+            &step.per_connection,
+        ));
+    }
+    if let Some(slow) = &m.per_slow_reader {
+        let model = &s.model.per_slow_reader;
+        t.add_row(vec![
+            "model, per slow reader".into(),
+            model.user.to_string(),
+            model.kernel.to_string(),
+            model.total.to_string(),
+        ]);
+        t.add_row(row(
+            format!("measured, per slow reader ({})", m.slow_readers),
+            slow,
+        ));
+    }
+    out.push_str(&format!(
+        "{t}\nper-connection pod bytes from the smallest to the largest step: {:+.1} %\n\n",
+        m.pod_slope * 100.0
+    ));
+    let mut p = Table::new();
+    p.load_preset(NOTHING);
+    p.set_header(vec![
+        "PLAN",
+        "SHARDS",
+        "NODES",
+        "MEMORY LIMIT",
+        "$ PER 1M / MONTH",
+    ]);
+    let cost = |c: Option<f64>| c.map_or("-".into(), |c| format!("{c:.2}"));
+    for (label, shape) in [("model", &s.before), ("calibrated", &s.after)] {
+        p.add_row(vec![
+            label.to_string(),
+            shape.shards.to_string(),
+            shape.nodes.to_string(),
+            bytes(shape.memory_limit_bytes),
+            cost(shape.cost_per_million_connections_monthly),
+        ]);
+    }
+    out.push_str(&format!("{p}\n\nspec.backend for a fixed figure:\n"));
+    for (k, v) in &s.backend {
+        out.push_str(&format!("  backend:\n    {k}: {v}\n"));
+    }
+    out
 }
 
 /// One table per fleet: each plan field with its value and unit.

@@ -333,6 +333,20 @@ impl Drop for Namespace {
     }
 }
 
+/// The operator binary: `C10M_OPERATOR_BIN`, else
+/// `target/debug/c10m-operator` (built by `make test`).
+pub fn operator_bin() -> PathBuf {
+    let bin = std::env::var("C10M_OPERATOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace().join("target/debug/c10m-operator"));
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build -p c10m-operator` (make test does)",
+        bin.display()
+    );
+    bin
+}
+
 /// A `c10m-operator run --namespace NS` process, killed when dropped. Its
 /// log goes to `target/e2e-logs/<namespace>.log`.
 pub struct Operator {
@@ -355,14 +369,7 @@ impl Operator {
     /// Starts the operator with `args` and `kubeconfig`, logging to
     /// `target/e2e-logs/<log_name>.log`.
     pub fn spawn(args: &[&str], kubeconfig: &Path, log_name: &str) -> Self {
-        let bin = std::env::var("C10M_OPERATOR_BIN")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| workspace().join("target/debug/c10m-operator"));
-        assert!(
-            bin.exists(),
-            "{} is missing: run `cargo build -p c10m-operator` (make test does)",
-            bin.display()
-        );
+        let bin = operator_bin();
         let logs = workspace().join("target/e2e-logs");
         std::fs::create_dir_all(&logs).unwrap();
         let log = logs.join(format!("{log_name}.log"));

@@ -953,3 +953,166 @@ fn an_image_the_node_lacks_fails_at_once_and_locally() {
         "the pull did not stop at the node's dead loopback proxy: {refused}"
     );
 }
+
+/// [`fleet`] as one echo shard sized past the calibration's largest step
+/// (the node's 20,000 hard nofile bounds both the shard and the one probe
+/// process): no per-CPU cap, 18,000 connections.
+fn calibration_fleet(name: &str, image: &str) -> String {
+    let manifest = fleet(name, "")
+        .replace("  connections: 1000\n", "  connections: 18000\n")
+        .replace(
+            "    protocol: websocket\n    connectionsPerCpu: 2000\n",
+            "    protocol: echo\n",
+        )
+        .replace(
+            "  shard:\n",
+            &format!("  server:\n    image: {image}\n  shard:\n"),
+        );
+    assert!(
+        manifest.contains("18000") && manifest.contains(image),
+        "{manifest}"
+    );
+    manifest
+}
+
+/// `c10m-operator calibrate -f MANIFEST ARGS… -n NS`: (success, stdout, stderr).
+fn calibrate(ns: &str, manifest: &str, args: &[&str]) -> (bool, String, String) {
+    let dir = std::env::temp_dir().join(format!("c10m-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!("{ns}.yaml"));
+    std::fs::write(
+        &file,
+        manifest.replace("metadata:\n", &format!("metadata:\n  namespace: {ns}\n")),
+    )
+    .unwrap();
+    let out = Command::new("timeout")
+        .arg("600")
+        .arg(operator_bin())
+        .args(["calibrate", "-f"])
+        .arg(&file)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .output()
+        .expect("run c10m-operator calibrate");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+/// Calibration pods left in `ns`.
+fn calibration_pods(ns: &str) -> String {
+    kubectl(&[
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        "c10m.dev/calibration",
+        "-o",
+        "name",
+    ])
+}
+
+/// The bundled server calibrated on the real node costs what one process
+/// of it costs on the host (`make measure-server`, run here side by side
+/// at the calibration's largest step): user bytes within ±10 %.
+#[test]
+fn calibrating_the_bundled_server_measures_what_measure_server_does() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    real_node();
+    let ns = Namespace::create("calibrate");
+    let ns = ns.0.as_str();
+    let top: u64 = 16_000;
+    let started = Instant::now();
+    let (ok, out, err) = calibrate(
+        ns,
+        &calibration_fleet("edge", "c10m/server:0.1.0"),
+        &[
+            "-o",
+            "json",
+            "--steps",
+            &format!("{},{top}", top / 2),
+            "--timeout-seconds",
+            "300",
+        ],
+    );
+    assert!(ok, "calibrate failed: {err}\n{out}");
+    let took = started.elapsed();
+    let s: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(calibration_pods(ns), "", "calibrate left pods behind");
+    let m = &s["measured"];
+    assert_eq!(s["node"], NODE, "{s}");
+    assert_eq!(m["connections"], top, "{s}");
+    assert_eq!(m["steps"].as_array().unwrap().len(), 2, "{s}");
+    assert!(s["imageId"].as_str().unwrap().contains("sha256:"), "{s}");
+    assert_eq!(m["cgroupMode"], host_cgroup_mode().1, "{s}");
+    let f = |v: &Value| v.as_f64().unwrap();
+    let user = f(&m["perConnection"]["user"]);
+    let kernel = f(&m["perConnection"]["kernel"]);
+    let pod = f(&m["perConnection"]["pod"]);
+    assert_eq!(m["slowReaders"], top.div_ceil(100), "{s}");
+    let slow = &m["perSlowReader"];
+
+    // One server process on the host, same binary, same count.
+    let bench = Command::new("timeout")
+        .args(["300", "python3"])
+        .arg(workspace().join("server-image/bench/idle_memory.py"))
+        .arg(workspace().join("target/x86_64-unknown-linux-musl/release/c10m-server"))
+        .arg(top.to_string())
+        .output()
+        .expect("run idle_memory.py");
+    assert!(
+        bench.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let host: Value = serde_json::from_slice(&bench.stdout).unwrap();
+    let host_user = f(&host["userBytesPerConnection"]);
+    println!(
+        "FIGURE calibration_bundled_user_bytes={user:.1} kernel_bytes={kernel:.1} pod_bytes={pod:.1} \
+         measure_server_user_bytes={host_user:.1} ratio={:.3} pod_slope={:.3} slow_reader_pod_bytes={} \
+         seconds={:.0}",
+        user / host_user,
+        f(&m["podSlope"]),
+        slow["pod"],
+        took.as_secs_f64()
+    );
+    assert!(
+        (user - host_user).abs() <= 0.10 * host_user,
+        "calibrated user bytes {user:.1} vs one process on the host {host_user:.1}: {s}"
+    );
+    // An idle socket charges the pod its file, dentry and epoll objects at
+    // least (docs/KERNEL_FACTS.md): the pod figure is more than user space.
+    assert!(kernel > 500.0 && pod > user + 500.0, "{s}");
+    assert!(s["after"]["shards"].as_i64().unwrap() >= 1, "{s}");
+    assert_eq!(
+        s["backend"]["userBytesPerConnection"],
+        user.round() as i64,
+        "{s}"
+    );
+}
+
+/// A calibration whose image never runs says so at once, and leaves no pod.
+#[test]
+fn a_calibration_whose_image_never_runs_says_why() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    real_node();
+    let ns = Namespace::create("calibrate-pull");
+    let ns = ns.0.as_str();
+    let image = "docker.io/c10m/absent:0.0.0";
+    let started = Instant::now();
+    let (ok, out, err) = calibrate(
+        ns,
+        &calibration_fleet("absent", image),
+        &["--steps", "100", "--timeout-seconds", "120"],
+    );
+    let took = started.elapsed();
+    assert!(!ok, "calibrating an absent image succeeded: {out}");
+    assert!(err.contains("never became Ready"), "{err}");
+    assert!(
+        err.contains("ErrImagePull") || err.contains("ImagePullBackOff"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(90), "{took:?}: {err}");
+    assert_eq!(calibration_pods(ns), "", "calibrate left pods behind");
+}

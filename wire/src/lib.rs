@@ -4,7 +4,8 @@
 //! (env, probes, init-container args) and into its Prometheus queries and
 //! admin calls; `c10m-server` and `c10m-sysctl` parse them. Both sides use
 //! the constants here, so a typo cannot silently run a shard at the
-//! server's defaults. This crate has no dependencies and no I/O.
+//! server's defaults. This crate has no I/O, and no dependencies unless its
+//! `serde` feature is on (for [`calibrate::Report`]).
 
 #![forbid(unsafe_code)]
 
@@ -318,6 +319,8 @@ pub mod sysctl_tool {
         format!("{flag}={name}={value}")
     }
 }
+
+pub mod calibrate;
 
 #[cfg(test)]
 mod tests {

@@ -12,9 +12,11 @@
 //!   policy's ceilings;
 //! - [`drain`]: how long a departing shard takes, within the policy's bound;
 //! - [`capacity`]: the search for shards and the plan's self-check;
-//! - [`error`]: why no plan could be made.
+//! - [`error`]: why no plan could be made;
+//! - [`calibration`]: per-connection bytes from a calibration probe's samples.
 
 pub mod bundled;
+pub mod calibration;
 pub mod capacity;
 pub mod drain;
 pub mod error;

@@ -39,6 +39,8 @@ use socket2::{Domain, Socket, Type};
 
 use c10m_server::ws;
 
+pub mod calibrate;
+
 /// Bytes of one echo-mode ping: a fixed 16-byte message the server echoes
 /// back unchanged (in WebSocket mode the same 16 bytes travel as a binary
 /// frame).
@@ -467,7 +469,7 @@ pub fn bind_address_no_port(s: &Socket) -> io::Result<()> {
 
 /// A non-blocking connect to `dst`, from `src` when given (bound with
 /// `IP_BIND_ADDRESS_NO_PORT`), else from the address the route picks.
-fn open_socket(src: Option<Ipv4Addr>, dst: SocketAddrV4) -> io::Result<TcpStream> {
+pub fn open_socket(src: Option<Ipv4Addr>, dst: SocketAddrV4) -> io::Result<TcpStream> {
     let s = Socket::new(
         Domain::IPV4,
         Type::STREAM.nonblocking().cloexec(),
