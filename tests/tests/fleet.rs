@@ -717,7 +717,10 @@ fn pods_refused_by_pod_security_degrade_the_fleet_with_a_hint_until_fixed() {
         ),
     );
     assert!(ok, "{out}");
-    let fleet = wait_ready(ns, "guarded");
+    wait_ready(ns, "guarded");
+    // Ready can come a sync before the refused ReplicaSet's failure is
+    // gone from the Deployment's status; Degraded must clear soon after.
+    let fleet = wait_condition(ns, "guarded", "Degraded", "False", None, MINUTE);
     eprintln!(
         "Ready, Degraded cleared {:.1} s after switching to PodSecurityContext",
         switched.elapsed().as_secs_f64()
