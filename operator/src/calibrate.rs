@@ -61,6 +61,13 @@ pub struct Options {
     pub timeout: Duration,
 }
 
+impl Options {
+    /// Both pods' `activeDeadlineSeconds`: the timeout, at least a minute.
+    fn deadline_seconds(&self) -> i64 {
+        self.timeout.as_secs().max(60) as i64
+    }
+}
+
 /// What a calibration measured, where and on what.
 #[derive(Clone, Debug)]
 pub struct Outcome {
@@ -75,8 +82,6 @@ pub struct Outcome {
     pub image: String,
     /// The image the runtime ran (`containerStatuses[].imageID`: a digest).
     pub image_id: String,
-    /// Idle-connection steps asked for.
-    pub steps: Vec<u64>,
     /// The figures.
     pub fit: Fit,
     /// Seconds from the first pod's creation to the probe's report.
@@ -573,7 +578,7 @@ pub async fn run(
     let (steps, slow) = steps(&plan, &options.steps, options.slow_readers)?;
     let ns = fleet.namespace().unwrap_or_else(|| "default".into());
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let deadline = options.timeout.as_secs().max(60) as i64;
+    let deadline = options.deadline_seconds();
     let started = Instant::now();
     let until = started + options.timeout;
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
@@ -634,7 +639,6 @@ pub async fn run(
         calibrated,
         node,
         image_id,
-        steps,
         fit,
         seconds,
     })
@@ -653,7 +657,7 @@ async fn measure(
     created: &mut Vec<String>,
 ) -> Result<(String, String, Report), Error> {
     let name = shard.name_any();
-    let deadline = options.timeout.as_secs().max(60) as i64;
+    let deadline = options.deadline_seconds();
     let running = watch(pods, &name, until, |p| {
         if ready(p) {
             Some(Ok(p.clone()))
