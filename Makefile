@@ -19,7 +19,7 @@ help:
 	@echo "make down              stop the demo operator and the local control plane"
 	@echo "make images            server + operator images, FROM scratch, built offline (buildah) into \$$C10M_CACHE/images/*.tar"
 	@echo "make test              alert-rule unit tests (promtool), unit, property and end-to-end tests (brings the plane up and down itself)"
-	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, module layers, promtool check rules, helm lint"
+	@echo "make lint              cargo fmt --check, cargo clippy -D warnings, module layers, promtool check rules, gofmt + go vet (tools/goecho), helm lint"
 	@echo "make crd               regenerate crds/connectionfleet.yaml from the Rust types"
 	@echo "make measure-server    c10m-server memory per idle connection, one process (JSON)"
 	@echo "make bench-server      c10m-server vs tokio-naive vs floor probe, 150k connections each (target/bench/server.json)"
@@ -64,6 +64,8 @@ lint: deps
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	python3 tools/module_graph.py operator/src --order $(OPERATOR_LAYERS)
 	promtool check rules charts/c10m-operator/rules/c10m.rules.yaml
+	test -z "$$(gofmt -l tools/goecho)" || { gofmt -l tools/goecho; echo "error: gofmt -w tools/goecho" >&2; exit 1; }
+	cd tools/goecho && GOTOOLCHAIN=local go vet .
 	bin=$$(bash tests/cluster/build.sh | tail -n1); \
 	  "$$bin/helm" lint --strict charts/c10m-operator && \
 	  "$$bin/helm" lint --strict charts/c10m-operator --set watchNamespace=fleets --set crd.manage=false

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # tools/images.sh: `make images`. Builds the server image (c10m-server +
 # c10m-sysctl, server-image/Dockerfile), the operator image
-# (operator/Dockerfile) and the loadgen image (c10m-loadgen +
+# (operator/Dockerfile), the loadgen image (c10m-loadgen +
 # c10m-calibrate-probe, tools/loadgen/Dockerfile: the probe the operator's
-# `calibrate` runs) offline, and writes them as docker-archive tars that
-# `ctr -n k8s.io images import` takes under the names the operator and the chart
-# render (docker.io/c10m/server:TAG, docker.io/c10m/operator:TAG,
-# docker.io/c10m/loadgen:TAG):
+# `calibrate` runs) and the goecho image (a goroutine-per-connection Go echo
+# server, tools/goecho: the `backend.model: goroutine` backend the
+# calibration tests measure) offline, and writes them as docker-archive tars
+# that `ctr -n k8s.io images import` takes under the names the operator, the
+# chart and the tests use (docker.io/c10m/{server,operator,loadgen,goecho}:TAG):
 #
 #   $C10M_CACHE/images/c10m-server.tar
 #   $C10M_CACHE/images/c10m-operator.tar
 #   $C10M_CACHE/images/c10m-loadgen.tar
+#   $C10M_CACHE/images/c10m-goecho.tar
 #
-# 1. cargo builds the five binaries statically for x86_64-unknown-linux-musl
-#    (apart from the debug builds): the server's two and the loadgen's two
-#    under the `release` profile (target/x86_64-unknown-linux-musl/release),
-#    the operator under `release-size` (…/release-size; Cargo.toml says why).
-# 2. Each image's build context, target/images/{server,operator,loadgen}/,
+# 1. cargo builds the five Rust binaries statically for
+#    x86_64-unknown-linux-musl (apart from the debug builds): the server's two
+#    and the loadgen's two under the `release` profile
+#    (target/x86_64-unknown-linux-musl/release), the operator under
+#    `release-size` (…/release-size; Cargo.toml says why). `go build`
+#    (CGO_ENABLED=0: static; the standard library only, nothing downloaded)
+#    builds goecho into target/goecho/.
+# 2. Each image's build context, target/images/{server,operator,loadgen,goecho}/,
 #    gets its binaries; the Dockerfiles are FROM scratch and only COPY them.
 # 3. buildah (Debian's, daemonless; vfs storage and temp files under
 #    $C10M_CACHE/buildah, chroot isolation, nothing pulled) builds each image
@@ -30,6 +35,7 @@
 #   docker build -f server-image/Dockerfile -t c10m/server:0.1.0 target/images/server
 #   docker build -f operator/Dockerfile -t c10m/operator:0.1.0 target/images/operator
 #   docker build -f tools/loadgen/Dockerfile -t c10m/loadgen:0.1.0 target/images/loadgen
+#   docker build -f tools/goecho/Dockerfile -t c10m/goecho:0.1.0 target/images/goecho
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -50,6 +56,7 @@ triple=x86_64-unknown-linux-musl
 target_dir=${CARGO_TARGET_DIR:-target}
 release_bins=$target_dir/$triple/release
 operator_bins=$target_dir/$triple/release-size
+goecho_bins=$target_dir/goecho
 ctx_root=$target_dir/images
 
 # One version for all images: the workspace's, which the chart's appVersion
@@ -78,9 +85,17 @@ echo "== cargo build --release --target $triple (c10m-loadgen, c10m-calibrate-pr
 echo "== cargo build --profile release-size --target $triple (c10m-operator)" >&2
 "${CARGO:-cargo}" build --profile release-size --locked --target "$triple" \
   -p c10m-operator --bin c10m-operator
+echo "== go build (goecho)" >&2
+# GOTOOLCHAIN=local: the installed Go builds it (make deps checks >= 1.25),
+# never a downloaded one. -trimpath and an empty build id: the same source
+# gives the same binary, so an unchanged image is not rebuilt (step 3).
+mkdir -p "$goecho_bins"
+goecho_out=$(cd "$goecho_bins" && pwd)/goecho
+(cd tools/goecho && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS= go build -trimpath \
+  -ldflags "-s -w -buildid=" -o "$goecho_out" .)
 
 for bin in "$release_bins/c10m-server" "$release_bins/c10m-sysctl" "$operator_bins/c10m-operator" \
-           "$release_bins/c10m-loadgen" "$release_bins/c10m-calibrate-probe"; do
+           "$release_bins/c10m-loadgen" "$release_bins/c10m-calibrate-probe" "$goecho_bins/goecho"; do
   if command -v readelf >/dev/null &&
      LC_ALL=C readelf -lW "$bin" | grep -q 'program interpreter'; then
     echo "error: $bin is dynamically linked" >&2
@@ -98,11 +113,13 @@ fill() { # fill CONTEXT DIR BINARY...: the context holds exactly these binaries 
 fill server "$release_bins" c10m-server c10m-sysctl
 fill operator "$operator_bins" c10m-operator
 fill loadgen "$release_bins" c10m-loadgen c10m-calibrate-probe
+fill goecho "$goecho_bins" goecho
 
 if $contexts_only; then
   echo "$ctx_root/server"
   echo "$ctx_root/operator"
   echo "$ctx_root/loadgen"
+  echo "$ctx_root/goecho"
   exit 0
 fi
 
@@ -165,10 +182,11 @@ build() { # build NAME DOCKERFILE CONTEXT
 build server server-image/Dockerfile "$ctx_root/server"
 build operator operator/Dockerfile "$ctx_root/operator"
 build loadgen tools/loadgen/Dockerfile "$ctx_root/loadgen"
+build goecho tools/goecho/Dockerfile "$ctx_root/goecho"
 cleanup_varlib
 
 # --- 4. report ----------------------------------------------------------------
-python3 - "$out/c10m-server.tar" "$out/c10m-operator.tar" "$out/c10m-loadgen.tar" <<'EOF' | tee "$out/images.json"
+python3 - "$out/c10m-server.tar" "$out/c10m-operator.tar" "$out/c10m-loadgen.tar" "$out/c10m-goecho.tar" <<'EOF' | tee "$out/images.json"
 import hashlib, json, os, sys, tarfile
 
 images = []

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Measures c10m-server's memory per idle connection and prints JSON.
+"""Measures a server's memory per idle connection and prints JSON.
 
-Starts the release binary on 127.0.0.1, records its RSS and the kernel's Slab
+The server is c10m-server, or goecho (tools/goecho: the goroutine-per-
+connection Go server the calibration tests also measure on the real node),
+told apart by the binary's name. Starts the binary on 127.0.0.1 (goecho with
+GOMAXPROCS=2, as c10m-server gets 2 workers), records its RSS and the kernel's Slab
 (/proc/meminfo), opens N idle echo connections from a child process (source
 addresses 127.0.1.x with IP_BIND_ADDRESS_NO_PORT), waits until the server's
 /metrics reports all N live, and reports:
@@ -47,7 +50,9 @@ def slab_bytes():
 
 def live(metrics_port):
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    return sum(float(l.split()[-1]) for l in body.splitlines() if l.startswith("c10m_connections{"))
+    # c10m-server labels its gauge by worker; goecho has one, unlabelled.
+    return sum(float(l.split()[-1]) for l in body.splitlines()
+               if l.split("{")[0].split(" ")[0] == "c10m_connections")
 
 
 def hold(port, n, ready_w):
@@ -70,8 +75,14 @@ def main():
     binary = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 19000
     port, mport = free_port(), free_port()
-    server = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport), "--workers", "2"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    name = os.path.basename(binary)
+    if name == "goecho":
+        argv = [binary]
+        env = dict(os.environ, C10M_BIND="127.0.0.1", C10M_PORT=str(port), C10M_METRICS_PORT=str(mport), GOMAXPROCS="2")
+    else:
+        argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport), "--workers", "2"]
+        env = None
+    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(100):
             try:
@@ -98,7 +109,7 @@ def main():
         server.terminate()
         server.wait()
     print(json.dumps({
-        "server": "c10m-server", "protocol": "echo", "workers": 2, "connections": int(held),
+        "server": name, "protocol": "echo", "workers": 2, "connections": int(held),
         "rssBeforeBytes": rss0, "rssAfterBytes": rss1,
         "userBytesPerConnection": round((rss1 - rss0) / n, 1),
         "kernelBytesPerConnection": round((slab1 - slab0) / (2 * n), 1),

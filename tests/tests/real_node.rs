@@ -954,12 +954,14 @@ fn an_image_the_node_lacks_fails_at_once_and_locally() {
     );
 }
 
-/// [`fleet`] as one echo shard sized past the calibration's largest step
-/// (the node's 20,000 hard nofile bounds both the shard and the one probe
-/// process): no per-CPU cap, 18,000 connections.
-fn calibration_fleet(name: &str, image: &str) -> String {
+/// [`fleet`] as one echo shard of `model` (`epoll`, `goroutine`) sized past
+/// the calibration's largest step (the node's 20,000 hard nofile bounds
+/// both the shard and the one probe process): no per-CPU cap, 18,000
+/// connections.
+fn calibration_fleet(name: &str, model: &str, image: &str) -> String {
     let manifest = fleet(name, "")
         .replace("  connections: 1000\n", "  connections: 18000\n")
+        .replace("    model: epoll\n", &format!("    model: {model}\n"))
         .replace(
             "    protocol: websocket\n    connectionsPerCpu: 2000\n",
             "    protocol: echo\n",
@@ -969,7 +971,7 @@ fn calibration_fleet(name: &str, image: &str) -> String {
             &format!("  server:\n    image: {image}\n  shard:\n"),
         );
     assert!(
-        manifest.contains("18000") && manifest.contains(image),
+        manifest.contains("18000") && manifest.contains(image) && manifest.contains(model),
         "{manifest}"
     );
     manifest
@@ -1013,20 +1015,36 @@ fn calibration_pods(ns: &str) -> String {
     ])
 }
 
-/// The bundled server calibrated on the real node costs what one process
-/// of it costs on the host (`make measure-server`, run here side by side
-/// at the calibration's largest step): user bytes within ±10 %.
-#[test]
-fn calibrating_the_bundled_server_measures_what_measure_server_does() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    real_node();
-    let ns = Namespace::create("calibrate");
+/// What a calibration measured and what one process of the same binary on
+/// the host costs (`server-image/bench/idle_memory.py`, `make
+/// measure-server`, run right after at the largest step).
+struct Calibrated {
+    /// The calibration's JSON report (`-o json`).
+    report: Value,
+    /// User, kernel and pod bytes per idle connection, fitted.
+    user: f64,
+    kernel: f64,
+    pod: f64,
+    /// The host process's user bytes per idle connection (RSS delta ÷ N).
+    host_user: f64,
+    /// The calibration's wall time, seconds.
+    seconds: f64,
+}
+
+/// Calibrates fleet `name` of `model` running `image` on the real node at
+/// 8,000 and 16,000 idle connections (+ 1 % slow readers), checks what
+/// every calibration must hold (the node, the steps, the image's digest,
+/// the cgroup mode, nothing left behind, the plan and the figure to
+/// paste), then measures `host_binary` (the image's binary, built by
+/// `make images`) on the host at 16,000.
+fn calibrate_against_host(name: &str, model: &str, image: &str, host_binary: &Path) -> Calibrated {
+    let ns = Namespace::create(&format!("calibrate-{name}"));
     let ns = ns.0.as_str();
     let top: u64 = 16_000;
     let started = Instant::now();
     let (ok, out, err) = calibrate(
         ns,
-        &calibration_fleet("edge", "c10m/server:0.1.0"),
+        &calibration_fleet(name, model, image),
         &[
             "-o",
             "json",
@@ -1037,8 +1055,9 @@ fn calibrating_the_bundled_server_measures_what_measure_server_does() {
         ],
     );
     assert!(ok, "calibrate failed: {err}\n{out}");
-    let took = started.elapsed();
-    let s: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let seconds = started.elapsed().as_secs_f64();
+    let report: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let s = &report;
     assert_eq!(calibration_pods(ns), "", "calibrate left pods behind");
     let m = &s["measured"];
     assert_eq!(s["node"], NODE, "{s}");
@@ -1046,40 +1065,12 @@ fn calibrating_the_bundled_server_measures_what_measure_server_does() {
     assert_eq!(m["steps"].as_array().unwrap().len(), 2, "{s}");
     assert!(s["imageId"].as_str().unwrap().contains("sha256:"), "{s}");
     assert_eq!(m["cgroupMode"], host_cgroup_mode().1, "{s}");
-    let f = |v: &Value| v.as_f64().unwrap();
-    let user = f(&m["perConnection"]["user"]);
-    let kernel = f(&m["perConnection"]["kernel"]);
-    let pod = f(&m["perConnection"]["pod"]);
     assert_eq!(m["slowReaders"], top.div_ceil(100), "{s}");
-    let slow = &m["perSlowReader"];
-
-    // One server process on the host, same binary, same count.
-    let bench = Command::new("timeout")
-        .args(["300", "python3"])
-        .arg(workspace().join("server-image/bench/idle_memory.py"))
-        .arg(workspace().join("target/x86_64-unknown-linux-musl/release/c10m-server"))
-        .arg(top.to_string())
-        .output()
-        .expect("run idle_memory.py");
-    assert!(
-        bench.status.success(),
-        "{}",
-        String::from_utf8_lossy(&bench.stderr)
-    );
-    let host: Value = serde_json::from_slice(&bench.stdout).unwrap();
-    let host_user = f(&host["userBytesPerConnection"]);
-    println!(
-        "FIGURE calibration_bundled_user_bytes={user:.1} kernel_bytes={kernel:.1} pod_bytes={pod:.1} \
-         measure_server_user_bytes={host_user:.1} ratio={:.3} pod_slope={:.3} slow_reader_pod_bytes={} \
-         seconds={:.0}",
-        user / host_user,
-        f(&m["podSlope"]),
-        slow["pod"],
-        took.as_secs_f64()
-    );
-    assert!(
-        (user - host_user).abs() <= 0.10 * host_user,
-        "calibrated user bytes {user:.1} vs one process on the host {host_user:.1}: {s}"
+    let f = |v: &Value| v.as_f64().unwrap();
+    let (user, kernel, pod) = (
+        f(&m["perConnection"]["user"]),
+        f(&m["perConnection"]["kernel"]),
+        f(&m["perConnection"]["pod"]),
     );
     // An idle socket charges the pod its file, dentry and epoll objects at
     // least (docs/KERNEL_FACTS.md): the pod figure is more than user space.
@@ -1090,6 +1081,109 @@ fn calibrating_the_bundled_server_measures_what_measure_server_does() {
         user.round() as i64,
         "{s}"
     );
+
+    let bench = Command::new("timeout")
+        .args(["300", "python3"])
+        .arg(workspace().join("server-image/bench/idle_memory.py"))
+        .arg(host_binary)
+        .arg(top.to_string())
+        .output()
+        .expect("run idle_memory.py");
+    assert!(
+        bench.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let host: Value = serde_json::from_slice(&bench.stdout).unwrap();
+    assert_eq!(host["connections"], top, "{host}");
+    Calibrated {
+        user,
+        kernel,
+        pod,
+        host_user: f(&host["userBytesPerConnection"]),
+        seconds,
+        report,
+    }
+}
+
+/// The bundled server calibrated on the real node costs what one process
+/// of it costs on the host (`make measure-server`, run here side by side
+/// at the calibration's largest step): user bytes within ±10 %.
+#[test]
+fn calibrating_the_bundled_server_measures_what_measure_server_does() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    real_node();
+    let c = calibrate_against_host(
+        "edge",
+        "epoll",
+        "c10m/server:0.1.0",
+        &workspace().join("target/x86_64-unknown-linux-musl/release/c10m-server"),
+    );
+    let m = &c.report["measured"];
+    println!(
+        "FIGURE calibration_bundled_user_bytes={:.1} kernel_bytes={:.1} pod_bytes={:.1} \
+         measure_server_user_bytes={:.1} ratio={:.3} pod_slope={:.3} slow_reader_pod_bytes={} \
+         seconds={:.0}",
+        c.user,
+        c.kernel,
+        c.pod,
+        c.host_user,
+        c.user / c.host_user,
+        m["podSlope"].as_f64().unwrap(),
+        m["perSlowReader"]["pod"],
+        c.seconds
+    );
+    assert!(
+        (c.user - c.host_user).abs() <= 0.10 * c.host_user,
+        "calibrated user bytes {:.1} vs one process on the host {:.1}: {}",
+        c.user,
+        c.host_user,
+        c.report
+    );
+}
+
+/// A goroutine-per-connection Go echo server (tools/goecho, the
+/// c10m/goecho image `make images` builds) calibrated on the real node:
+/// its user bytes are what one process of it costs on the host (±10 %),
+/// far below the goroutine model's article figure, and the plan sized
+/// from them asks for less memory than the model's.
+#[test]
+fn calibrating_a_go_goroutine_server_prices_its_connections_from_its_own_memory() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    real_node();
+    let c = calibrate_against_host(
+        "goecho",
+        "goroutine",
+        "c10m/goecho:0.1.0",
+        &workspace().join("target/goecho/goecho"),
+    );
+    let s = &c.report;
+    let model_user = s["model"]["perConnection"]["user"].as_f64().unwrap();
+    let limit = |plan: &str| s[plan]["memoryLimitBytes"].as_i64().unwrap();
+    println!(
+        "FIGURE calibration_goroutine_user_bytes={:.1} kernel_bytes={:.1} pod_bytes={:.1} \
+         host_user_bytes={:.1} ratio={:.3} model_user_bytes={model_user} \
+         memory_limit_model={} memory_limit_calibrated={} seconds={:.0}",
+        c.user,
+        c.kernel,
+        c.pod,
+        c.host_user,
+        c.user / c.host_user,
+        limit("before"),
+        limit("after"),
+        c.seconds
+    );
+    assert!(
+        (c.user - c.host_user).abs() <= 0.10 * c.host_user,
+        "calibrated user bytes {:.1} vs one process on the host {:.1}: {s}",
+        c.user,
+        c.host_user
+    );
+    // A goroutine and its 4 KiB read buffer cost kilobytes, not the bundled
+    // server's tens of bytes, and less than the article's 11.9 KiB the
+    // model prices (the buffer's pages are never touched while idle).
+    assert!(c.user > 1_000.0 && c.user < model_user, "{s}");
+    assert!(limit("after") < limit("before"), "{s}");
 }
 
 /// A calibration whose image never runs says so at once, and leaves no pod.
@@ -1103,7 +1197,7 @@ fn a_calibration_whose_image_never_runs_says_why() {
     let started = Instant::now();
     let (ok, out, err) = calibrate(
         ns,
-        &calibration_fleet("absent", image),
+        &calibration_fleet("absent", "epoll", image),
         &["--steps", "100", "--timeout-seconds", "120"],
     );
     let took = started.elapsed();

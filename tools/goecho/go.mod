@@ -1,0 +1,3 @@
+module c10m.dev/tools/goecho
+
+go 1.25
