@@ -29,9 +29,6 @@ pub const MAX_CONNECTIONS: i64 = 10_000_000_000;
 /// Image of the bundled server (and of the `c10m-sysctl` init tool it carries).
 pub const DEFAULT_SERVER_IMAGE: &str = "c10m/server:0.1.0";
 
-/// Image of the load generator and the calibration probe (`make images`).
-pub const DEFAULT_LOADGEN_IMAGE: &str = "c10m/loadgen:0.1.0";
-
 /// A fleet of SO_REUSEPORT server shards that must hold `spec.connections`
 /// concurrent connections. The operator derives shards, resources and
 /// sysctls from the capacity model and reports them in `status.plan`.
@@ -513,6 +510,36 @@ pub struct Backend {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 10_000_000_000i64))]
     pub connections_per_cpu: Option<i64>,
+
+    /// Measure what one connection of the fleet's image costs on the
+    /// cluster, and plan from the measurement: the operator runs one shard
+    /// of the image as planned with a calibration probe beside it
+    /// (`c10m-operator calibrate` does the same from a shell), records the
+    /// figures in `status.calibration`, and sizes the plan's user bytes per
+    /// connection from them (`status.plan.userBytesSource: Calibrated`).
+    /// A change of the image, model, protocol or of this field runs it
+    /// again; until that run succeeds the plan keeps the last calibration.
+    /// The namespace must admit privileged pods (the probe reads the node's
+    /// cgroups). docs/capacity-model.md#calibration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibrate: Option<Calibrate>,
+}
+
+/// `spec.backend.calibrate`: how much load the calibration applies.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Calibrate {
+    /// Idle connections at the largest step (the probe samples at half of
+    /// it too). Default: what the shard's cap and one probe process (the
+    /// nodes' hard RLIMIT_NOFILE) allow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 100, max = 10_000_000))]
+    pub connections: Option<i64>,
+    /// Slow readers opened after the last step, each sending 1 MiB and
+    /// reading nothing. Default: 1 % of `connections`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1_000_000))]
+    pub slow_readers: Option<i64>,
 }
 
 fn default_queued_percent() -> i32 {
@@ -532,6 +559,7 @@ impl Default for Backend {
             queued_percent: default_queued_percent(),
             slow_reader_percent: default_slow_reader_percent(),
             connections_per_cpu: None,
+            calibrate: None,
         }
     }
 }
@@ -920,7 +948,7 @@ pub struct Placement {
 /// cannot narrow the schema. A unit test pins it together with a SHA-256 of
 /// the CRD's `spec`: change the schema without raising this and that test
 /// fails, naming the new revision and digest to pin.
-pub const CRD_SCHEMA_REVISION: u32 = 5;
+pub const CRD_SCHEMA_REVISION: u32 = 6;
 
 /// The ConnectionFleet CRD as the operator installs it and `make crd`
 /// writes it: the types' CRD (`ConnectionFleet::crd()`) with annotation
@@ -967,8 +995,8 @@ mod tests {
     /// The schema revision and the SHA-256 (hex) of the CRD's canonical
     /// `spec` JSON ([`spec_digest`]) at that revision.
     const PINNED_SCHEMA: (u32, &str) = (
-        5,
-        "148405da0d32ede2496340612b4a6a5b900cf58b98ea0ad287fac70962d1ee56",
+        6,
+        "93c97dd7645499e90945f49acc93b881bf7c82deb58dd691dd0e80fddd6b4e1c",
     );
 
     /// `v` as JSON with every object's keys sorted and no whitespace: the

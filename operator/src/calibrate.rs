@@ -19,20 +19,23 @@ use c10m_wire::admin::TOKEN_KEY;
 use c10m_wire::calibrate::{self as wire, Report};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
-    Container, ContainerStatus, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, Secret,
-    Toleration, Volume, VolumeMount,
+    Container, ContainerStatus, HostPathVolumeSource, Pod, PodCondition, PodSpec,
+    ResourceRequirements, Secret, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 
+use crate::api::status::{CalibratedBytes, CalibrationStatus, NodeSource};
 use crate::api::{BytesPerConnection, ConnectionFleet, Plan};
-use crate::plan::calibration::{self, Fit, FitError};
+use crate::plan::calibration::{self, Bytes, Fit, FitError};
+use crate::plan::nodes::NodeFacts;
 use crate::plan::{self, PlanError};
 use crate::policy::Policy;
-use crate::reconcile::observe;
+use crate::reason::Reason;
 use crate::{names, render};
 
 /// Label on both calibration pods; its value is the fleet's name.
@@ -177,9 +180,6 @@ pub enum Error {
     /// The fleet cannot be planned on the cluster's nodes.
     #[error("no plan: {0}")]
     Plan(#[from] PlanError),
-    /// The cluster's nodes could not be listed.
-    #[error("cannot read the nodes: {0}")]
-    Nodes(String),
     /// Another calibration of the fleet holds its Secret.
     #[error(
         "another calibration of this fleet is running (Secret {0} exists; delete it if none is)"
@@ -230,6 +230,18 @@ pub enum Error {
     /// The samples give no figure.
     #[error(transparent)]
     Fit(#[from] FitError),
+}
+
+impl Error {
+    /// The `Calibrated` condition's reason for this failure.
+    pub fn reason(&self) -> Reason {
+        match self {
+            Error::NeverReady { .. } => Reason::CalibrationShardNotReady,
+            Error::Oom { .. } => Reason::CalibrationOOMKilled,
+            Error::NoReport { .. } | Error::Probe(_) => Reason::CalibrationIncomplete,
+            _ => Reason::CalibrationFailed,
+        }
+    }
 }
 
 fn kube(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
@@ -458,13 +470,41 @@ fn ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// A container state that will not become Ready by waiting: a pull or
-/// create error, or a container that ended.
+/// Seconds a calibration's pod may stay unschedulable before the
+/// calibration gives up on it. Chosen: a minute lets a pod that is being
+/// deleted (a shard draining nothing, a calibration just ended) free its
+/// CPUs; a full node stays full.
+const UNSCHEDULABLE_SECONDS: i64 = 60;
+
+/// A pod that will not become Ready by waiting: unschedulable for
+/// [`UNSCHEDULABLE_SECONDS`], a pull or create error, or a container that
+/// ended.
 fn stuck(pod: &Pod) -> Option<String> {
     if let Some(phase) = pod.status.as_ref().and_then(|s| s.phase.as_deref())
         && matches!(phase, "Failed" | "Succeeded")
     {
         return Some(format!("pod phase {phase}"));
+    }
+    // No node has room (or none matches) for a while: the scheduler's
+    // message names what is missing ("0/3 nodes are available: 3
+    // Insufficient cpu"). Room a terminating pod holds comes back within
+    // its grace period; the wait allows for that.
+    let conditions = pod.status.as_ref().and_then(|s| s.conditions.as_deref());
+    let since = |c: &PodCondition| {
+        c.last_transition_time
+            .as_ref()
+            .map_or(0, |t| Timestamp::now().duration_since(t.0).as_secs())
+    };
+    if let Some(c) = conditions.unwrap_or_default().iter().find(|c| {
+        c.type_ == "PodScheduled"
+            && c.status == "False"
+            && c.reason.as_deref() == Some("Unschedulable")
+            && since(c) >= UNSCHEDULABLE_SECONDS
+    }) {
+        return Some(format!(
+            "Unschedulable: {}",
+            c.message.as_deref().unwrap_or_default()
+        ));
     }
     let init = pod
         .status
@@ -563,18 +603,68 @@ async fn remove(pods: &Api<Pod>, secrets: &Api<Secret>, names: &[String], secret
     }
 }
 
-/// Runs a calibration of `fleet` on the cluster `client` reaches, and
-/// removes its pods whatever the outcome.
+/// Seconds past its pods' deadline after which a calibration's Secret
+/// can belong to no live run (its client died: a CLI interrupted, an
+/// operator that lost its lease): the next run removes it and what it
+/// left. Chosen: a minute for the pods' deletion.
+const STALE_AFTER_DEADLINE_SECONDS: i64 = 60;
+
+/// Creates the calibration's Secret, the run's lock. A Secret left by a
+/// run that can no longer be alive (older than the pods' deadline + a
+/// minute) is removed with the pods it left, and the lock taken; a younger
+/// one is [`Error::Busy`].
+async fn lock(
+    pods: &Api<Pod>,
+    secrets: &Api<Secret>,
+    fleet: &ConnectionFleet,
+    token: &str,
+    deadline: i64,
+) -> Result<Secret, Error> {
+    let name = secret_name(&fleet.name_any());
+    let secret = admin_secret(fleet, token);
+    match secrets.create(&PostParams::default(), &secret).await {
+        Err(kube::Error::Api(ref a)) if a.code == 409 => {}
+        created => return created.map_err(kube("create the calibration's admin Secret")),
+    }
+    let held = secrets
+        .get_opt(&name)
+        .await
+        .map_err(kube("read the calibration's admin Secret"))?;
+    let age = held
+        .as_ref()
+        .and_then(|s| s.metadata.creation_timestamp.as_ref())
+        .map_or(0, |t| Timestamp::now().duration_since(t.0).as_secs());
+    if held.is_some() && age <= deadline + STALE_AFTER_DEADLINE_SECONDS {
+        return Err(Error::Busy(name));
+    }
+    let left = pods
+        .list(&kube::api::ListParams::default().labels(&format!("{LABEL}={}", fleet.name_any())))
+        .await
+        .map_err(kube("list the calibration's pods"))?;
+    let left: Vec<String> = left.items.iter().map(|p| p.name_any()).collect();
+    tracing::info!(secret = %name, age, pods = ?left, "removing what a calibration that is no longer running left");
+    remove(pods, secrets, &left, &name).await;
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(ref a) if a.code == 409 => Error::Busy(name.clone()),
+            e => kube("create the calibration's admin Secret")(e),
+        })
+}
+
+/// Runs a calibration of `fleet` on the cluster `client` reaches, its shard
+/// planned as the operator plans it on nodes like `facts`
+/// ([`plan::capacity::plan_in_cluster`]), and removes its pods whatever the
+/// outcome.
 pub async fn run(
     client: &Client,
     fleet: &ConnectionFleet,
+    facts: (NodeFacts, NodeSource),
     policy: &Policy,
     options: &Options,
 ) -> Result<Outcome, Error> {
-    let facts = observe::node_facts(client, None, fleet)
-        .await
-        .map_err(|e| Error::Nodes(e.to_string()))??;
-    let plan = plan::capacity::plan_sourced(&fleet.spec, facts, policy)?;
+    let plan = plan::capacity::plan_in_cluster(&fleet.spec, facts, policy)?;
     let (steps, slow) = steps(&plan, &options.steps, options.slow_readers)?;
     let ns = fleet.namespace().unwrap_or_else(|| "default".into());
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
@@ -585,13 +675,7 @@ pub async fn run(
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).expect("the OS random source works");
     let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let secret = secrets
-        .create(&PostParams::default(), &admin_secret(fleet, &token))
-        .await
-        .map_err(|e| match e {
-            kube::Error::Api(ref a) if a.code == 409 => Error::Busy(secret_name(&fleet.name_any())),
-            e => kube("create the calibration's admin Secret")(e),
-        })?;
+    let secret = lock(&pods, &secrets, fleet, &token, deadline).await?;
     let shard = pods
         .create(
             &PostParams::default(),
@@ -632,7 +716,7 @@ pub async fn run(
     let mut measured = fleet.spec.clone();
     measured.backend.user_bytes_per_connection =
         Some(fit.per_connection.user.round().max(0.0) as i64);
-    let calibrated = plan::capacity::plan_sourced(&measured, facts, policy)?;
+    let calibrated = plan::capacity::plan_in_cluster(&measured, facts, policy)?;
     Ok(Outcome {
         image: fleet.spec.server.image.clone(),
         plan,
@@ -766,6 +850,168 @@ async fn measure(
     Ok((node, image_id, report))
 }
 
+/// `status.calibration` for `outcome`, a run of `fleet` as it asked
+/// (`spec.backend.calibrate`), ended at `at`.
+pub fn status_of(fleet: &ConnectionFleet, outcome: &Outcome, at: Timestamp) -> CalibrationStatus {
+    let bytes = |b: &Bytes| CalibratedBytes {
+        user: b.user.round() as i64,
+        kernel: b.kernel.round() as i64,
+        pod: b.pod.round() as i64,
+    };
+    let backend = &fleet.spec.backend;
+    let fit = &outcome.fit;
+    CalibrationStatus {
+        image: outcome.image.clone(),
+        image_id: outcome.image_id.clone(),
+        model: backend.model,
+        protocol: backend.protocol,
+        requested: backend.calibrate.unwrap_or_default(),
+        node: outcome.node.clone(),
+        cgroup_mode: fit.cgroup_mode.clone(),
+        socket_accounted: fit.socket_accounted,
+        connections: fit.connections as i64,
+        slow_readers: fit.slow_readers as i64,
+        per_connection: bytes(&fit.per_connection),
+        per_slow_reader: fit.per_slow_reader.as_ref().map(bytes),
+        pod_slope_percent: (fit.pod_slope * 1000.0).round() / 10.0,
+        time: Time(at),
+        duration_seconds: outcome.seconds.round() as i64,
+    }
+}
+
+/// Seconds a run the operator starts may take (both pods'
+/// `activeDeadlineSeconds`): 10 minutes, room for a cold image pull and
+/// a probe at the node's full nofile. Chosen.
+pub const OPERATOR_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Seconds before a failed run of an unchanged spec is tried again (a
+/// change of the image, model, protocol or `spec.backend.calibrate` runs
+/// it at once). Chosen: no retry loop, yet a node that was full gets
+/// another chance.
+pub const RETRY_SECONDS: i64 = 600;
+
+type Key = (String, String);
+
+struct Run {
+    asked: calibration::Asked,
+    since: Timestamp,
+    ended: Option<(Timestamp, Result<CalibrationStatus, calibration::Failure>)>,
+}
+
+/// The calibrations this operator process runs (`spec.backend.calibrate`),
+/// by fleet. Only the leader reconciles, so only the leader starts them; a
+/// process that stops mid-run leaves its pods to their
+/// `activeDeadlineSeconds` and its Secret to the next run, which takes it
+/// over once stale ([`lock`]).
+#[derive(Clone, Default)]
+pub struct Runs(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Key, Run>>>);
+
+fn key(fleet: &ConnectionFleet) -> Key {
+    (fleet.namespace().unwrap_or_default(), fleet.name_any())
+}
+
+impl Runs {
+    /// The latest measurement of `fleet`: a run of this process that ended
+    /// well and is not in the status yet, else `status.calibration`.
+    pub fn latest(&self, fleet: &ConnectionFleet) -> Option<CalibrationStatus> {
+        let stored = fleet.status.as_ref().and_then(|s| s.calibration.clone());
+        let mut runs = self.0.lock().unwrap();
+        let k = key(fleet);
+        let ran = match runs.get(&k).and_then(|r| r.ended.as_ref()) {
+            Some((_, Ok(c))) => c.clone(),
+            _ => return stored,
+        };
+        if stored.as_ref() == Some(&ran) {
+            runs.remove(&k);
+        }
+        Some(ran)
+    }
+
+    /// What `fleet`'s calibration is doing, given its `latest` measurement;
+    /// starts a run (planned on nodes like `facts`) when one is due. Does
+    /// nothing and says [`calibration::State::NotAsked`] without
+    /// `spec.backend.calibrate`.
+    pub fn tick(
+        &self,
+        client: &Client,
+        fleet: &ConnectionFleet,
+        latest: Option<&CalibrationStatus>,
+        facts: (NodeFacts, NodeSource),
+        policy: &Policy,
+        now: Timestamp,
+    ) -> calibration::State {
+        let Some(asked) = calibration::Asked::of(&fleet.spec) else {
+            return calibration::State::NotAsked;
+        };
+        let k = key(fleet);
+        let mut runs = self.0.lock().unwrap();
+        let run = runs.get(&k).map(|r| (&r.asked, r.since, r.ended.as_ref()));
+        let run = run.map(|(a, since, ended)| {
+            let ended = ended.map(|(at, r)| (*at, r.as_ref().err().cloned()));
+            (a == &asked, since, ended)
+        });
+        let idle = run.as_ref().is_none_or(|(_, _, ended)| ended.is_some());
+        let next = calibration::next(&asked, latest, run, now, RETRY_SECONDS);
+        if let calibration::State::Running { since, .. } = &next
+            && idle
+        {
+            runs.insert(
+                k.clone(),
+                Run {
+                    asked: asked.clone(),
+                    since: *since,
+                    ended: None,
+                },
+            );
+            self.spawn(client, fleet, facts, policy, asked);
+        }
+        next
+    }
+
+    fn spawn(
+        &self,
+        client: &Client,
+        fleet: &ConnectionFleet,
+        facts: (NodeFacts, NodeSource),
+        policy: &Policy,
+        asked: calibration::Asked,
+    ) {
+        let (client, fleet, policy, runs) =
+            (client.clone(), fleet.clone(), policy.clone(), self.clone());
+        let requested = fleet.spec.backend.calibrate.unwrap_or_default();
+        let options = Options {
+            steps: requested
+                .connections
+                .map_or_else(Vec::new, |n| vec![n as u64 / 2, n as u64]),
+            slow_readers: requested.slow_readers.map(|n| n as u64),
+            probe_image: policy.calibration_probe_image.clone(),
+            timeout: OPERATOR_TIMEOUT,
+        };
+        tokio::spawn(async move {
+            let k = key(&fleet);
+            tracing::info!(fleet = %k.1, namespace = %k.0, image = %asked.image, "calibration started");
+            let result = run(&client, &fleet, facts, &policy, &options).await;
+            let at = Timestamp::now();
+            let ended = match result {
+                Ok(outcome) => {
+                    let c = status_of(&fleet, &outcome, at);
+                    tracing::info!(fleet = %k.1, namespace = %k.0, user = c.per_connection.user,
+                        kernel = c.per_connection.kernel, pod = c.per_connection.pod,
+                        seconds = c.duration_seconds, "calibration measured");
+                    Ok(c)
+                }
+                Err(e) => {
+                    tracing::warn!(fleet = %k.1, namespace = %k.0, error = %e, "calibration failed");
+                    Err((e.reason(), e.to_string()))
+                }
+            };
+            if let Some(r) = runs.0.lock().unwrap().get_mut(&k) {
+                r.ended = Some((at, ended));
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -789,6 +1035,32 @@ mod tests {
         let node = plan::nodes::resolve_sourced(&f.spec, None).unwrap();
         let p = plan::capacity::plan_sourced(&f.spec, node, &Policy::default()).unwrap();
         (f, p)
+    }
+
+    #[test]
+    fn a_pod_unschedulable_for_a_minute_is_stuck_with_the_schedulers_words() {
+        let pod = |seconds_ago: i64| -> Pod {
+            let at = Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(seconds_ago);
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "chat-calibrate-x"},
+                "status": {"phase": "Pending", "conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/4 nodes are available: 1 Insufficient cpu.",
+                    "lastTransitionTime": Time(at),
+                }]}
+            }))
+            .unwrap()
+        };
+        assert_eq!(
+            stuck(&pod(5)),
+            None,
+            "room a terminating pod holds may come back"
+        );
+        let why = stuck(&pod(UNSCHEDULABLE_SECONDS + 1)).unwrap();
+        assert!(
+            why.starts_with("Unschedulable: 0/4 nodes") && why.contains("Insufficient cpu"),
+            "{why}"
+        );
     }
 
     #[test]

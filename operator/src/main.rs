@@ -13,7 +13,7 @@ use c10m_operator::api::{self, ConnectionFleet};
 use c10m_operator::plan::nodes;
 use c10m_operator::plan::{self, NodeFacts, NodeRuntime};
 use c10m_operator::policy::Policy;
-use c10m_operator::{calibrate, controller, leader, table};
+use c10m_operator::{calibrate, controller, leader, reconcile, table};
 
 #[derive(Parser)]
 #[command(
@@ -120,9 +120,10 @@ enum Command {
         /// nothing (default: 1 % of the last step).
         #[arg(long)]
         slow_readers: Option<u64>,
-        /// Image holding the calibration probe.
-        #[arg(long, default_value = api::DEFAULT_LOADGEN_IMAGE)]
-        probe_image: String,
+        /// Image holding the calibration probe (default: the policy's
+        /// `calibrationProbeImage`, c10m/loadgen:0.1.0 without a policy file).
+        #[arg(long)]
+        probe_image: Option<String>,
         /// Seconds the calibration may take, pods' start included.
         #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(60..=86_400))]
         timeout_seconds: u64,
@@ -277,7 +278,11 @@ async fn calibrate(
         fleet.metadata.namespace.clone().unwrap_or_default(),
         fleet.metadata.name.clone().unwrap_or_default()
     );
-    let outcome = calibrate::run(&client, &fleet, policy, &options)
+    let facts = reconcile::observe::node_facts(&client, None, &fleet)
+        .await
+        .context("cannot read the nodes")?
+        .with_context(|| format!("no plan for {name} on the cluster's nodes"))?;
+    let outcome = calibrate::run(&client, &fleet, facts, policy, &options)
         .await
         .with_context(|| format!("calibration of {name}"))?;
     let summary = calibrate::Summary::new(name, &outcome);
@@ -381,7 +386,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let options = calibrate::Options {
                 steps,
                 slow_readers,
-                probe_image,
+                probe_image: probe_image.unwrap_or_else(|| policy.calibration_probe_image.clone()),
                 timeout: std::time::Duration::from_secs(timeout_seconds),
             };
             tokio::runtime::Runtime::new()?.block_on(calibrate(&file, options, output, &policy))

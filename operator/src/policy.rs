@@ -29,6 +29,10 @@ use serde::{Deserialize, Serialize};
 /// `crate::api::DEFAULT_SERVER_IMAGE`; a test keeps them equal).
 pub const DEFAULT_SYSCTL_IMAGE: &str = "c10m/server:0.1.0";
 
+/// The default [`Policy::calibration_probe_image`]: the loadgen image
+/// `make images` builds (tools/images.sh, the workspace's version).
+pub const DEFAULT_CALIBRATION_PROBE_IMAGE: &str = "c10m/loadgen:0.1.0";
+
 /// The taints Kubernetes puts on control-plane nodes: reserved by default,
 /// so no fleet tolerates its way onto them.
 pub const CONTROL_PLANE_TAINTS: [&str; 2] = [
@@ -88,6 +92,10 @@ pub struct Policy {
     /// Image of the privileged `c10m-sysctl` init container (pin it by
     /// digest). Fleets cannot choose it.
     pub sysctl_image: String,
+    /// Image of the calibration probe (`c10m-calibrate-probe`), which runs
+    /// with `hostPID` and the node's cgroups beside a calibrated shard
+    /// (`spec.backend.calibrate`); pin it by digest. Fleets cannot choose it.
+    pub calibration_probe_image: String,
     /// Namespaces whose fleets may use `sysctls.mode: InitContainer` (a
     /// privileged container with the host's `/proc`); `*` is every namespace.
     pub init_container_namespaces: Vec<String>,
@@ -214,6 +222,7 @@ impl Default for Policy {
     fn default() -> Self {
         Policy {
             sysctl_image: DEFAULT_SYSCTL_IMAGE.to_string(),
+            calibration_probe_image: DEFAULT_CALIBRATION_PROBE_IMAGE.to_string(),
             init_container_namespaces: every_namespace(),
             reserved_taints: CONTROL_PLANE_TAINTS.map(String::from).to_vec(),
             allowed_tolerations: Vec::new(),
@@ -356,11 +365,15 @@ impl Policy {
     /// Checks what the types cannot. Errors name the field.
     pub fn validate(&self) -> Result<(), PolicyError> {
         let bad = |m: String| Err(PolicyError(m));
-        let image = &self.sysctl_image;
-        if image.is_empty() || image.len() > 512 || image.chars().any(char::is_whitespace) {
-            return bad(format!(
-                "policy.sysctlImage must be an image reference (1-512 characters, no spaces), got {image:?}"
-            ));
+        for (field, image) in [
+            ("sysctlImage", &self.sysctl_image),
+            ("calibrationProbeImage", &self.calibration_probe_image),
+        ] {
+            if image.is_empty() || image.len() > 512 || image.chars().any(char::is_whitespace) {
+                return bad(format!(
+                    "policy.{field} must be an image reference (1-512 characters, no spaces), got {image:?}"
+                ));
+            }
         }
         for ns in &self.init_container_namespaces {
             if ns != ALL_NAMESPACES && !is_label(ns) {
@@ -617,6 +630,10 @@ mod tests {
     fn defaults_are_finite_and_match_the_bundled_image() {
         let p = Policy::default();
         assert_eq!(p.sysctl_image, crate::api::DEFAULT_SERVER_IMAGE);
+        assert_eq!(
+            p.calibration_probe_image,
+            crate::api::DEFAULT_SERVER_IMAGE.replace("/server:", "/loadgen:")
+        );
         assert_eq!(p.max_termination_grace_period_seconds, 3600);
         assert_eq!(p.init_container_namespaces, ["*"]);
         assert_eq!(p.reserved_taints, CONTROL_PLANE_TAINTS);
@@ -674,6 +691,10 @@ allowedTolerations:
             ("sysctlImge: x\n", "sysctlImge"),
             ("sysctlImage: ''\n", "policy.sysctlImage"),
             ("sysctlImage: 'a b'\n", "policy.sysctlImage"),
+            (
+                "calibrationProbeImage: ''\n",
+                "policy.calibrationProbeImage",
+            ),
             (
                 "maxTerminationGracePeriodSeconds: 5\n",
                 "maxTerminationGracePeriodSeconds",
@@ -951,6 +972,7 @@ allowedTolerations:
             keys,
             [
                 "sysctlImage",
+                "calibrationProbeImage",
                 "initContainerNamespaces",
                 "reservedTaints",
                 "allowedTolerations",

@@ -20,6 +20,9 @@ pub enum ConditionType {
     SysctlsApplied,
     /// Some shard runs under kernel settings below its plan.
     KernelDrift,
+    /// The fleet's image is calibrated for its spec
+    /// (`spec.backend.calibrate`; absent without it).
+    Calibrated,
 }
 
 impl ConditionType {
@@ -32,6 +35,7 @@ impl ConditionType {
             ConditionType::MetricsAvailable => "MetricsAvailable",
             ConditionType::SysctlsApplied => "SysctlsApplied",
             ConditionType::KernelDrift => "KernelDrift",
+            ConditionType::Calibrated => "Calibrated",
         }
     }
 }
@@ -142,11 +146,26 @@ pub enum Reason {
     /// The installed CRD's schema revision annotation cannot be read: kept
     /// (event).
     CrdRevisionUnreadable,
+    // --- calibration (spec.backend.calibrate) ---
+    /// A calibration of the fleet's image runs (condition Unknown; the
+    /// first one holds the fleet's first shards back).
+    Calibrating,
+    /// The image is calibrated for the spec; the plan sizes from it.
+    Measured,
+    /// The calibration's shard never became Ready (image, scheduling, a
+    /// container that ended).
+    CalibrationShardNotReady,
+    /// The calibration's shard was OOM-killed before the last step.
+    CalibrationOOMKilled,
+    /// The probe stopped before the last step or wrote no report.
+    CalibrationIncomplete,
+    /// The calibration failed otherwise (API calls, the nodes, the steps).
+    CalibrationFailed,
 }
 
 impl Reason {
     /// Every reason, in declaration order.
-    pub const ALL: [Reason; 44] = [
+    pub const ALL: [Reason; 50] = [
         Reason::InvalidSpec,
         Reason::NoNodeProfile,
         Reason::PlanInfeasible,
@@ -191,6 +210,12 @@ impl Reason {
         Reason::KernelNotReported,
         Reason::NewerCrdInstalled,
         Reason::CrdRevisionUnreadable,
+        Reason::Calibrating,
+        Reason::Measured,
+        Reason::CalibrationShardNotReady,
+        Reason::CalibrationOOMKilled,
+        Reason::CalibrationIncomplete,
+        Reason::CalibrationFailed,
     ];
 
     /// The reason spelled `s`, if it is one of the operator's.
@@ -245,6 +270,12 @@ impl Reason {
             Reason::KernelNotReported => "KernelNotReported",
             Reason::NewerCrdInstalled => "NewerCRDInstalled",
             Reason::CrdRevisionUnreadable => "CRDRevisionUnreadable",
+            Reason::Calibrating => "Calibrating",
+            Reason::Measured => "Measured",
+            Reason::CalibrationShardNotReady => "CalibrationShardNotReady",
+            Reason::CalibrationOOMKilled => "CalibrationOOMKilled",
+            Reason::CalibrationIncomplete => "CalibrationIncomplete",
+            Reason::CalibrationFailed => "CalibrationFailed",
         }
     }
 }
@@ -270,6 +301,8 @@ pub enum EventAction {
     Autoscale,
     /// Installing the CRD at start-up (`--manage-crd`).
     ApplyCrd,
+    /// Calibrating the fleet's image (`spec.backend.calibrate`).
+    Calibrate,
 }
 
 impl EventAction {
@@ -282,6 +315,7 @@ impl EventAction {
             EventAction::ReadMetrics => "ReadMetrics",
             EventAction::Autoscale => "Autoscale",
             EventAction::ApplyCrd => "ApplyCRD",
+            EventAction::Calibrate => "Calibrate",
         }
     }
 }

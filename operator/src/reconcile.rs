@@ -34,10 +34,12 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
 
-use crate::api::status::{NodeSource, RolloutStatus};
+use crate::api::status::{CalibrationStatus, FigureSource, NodeSource, RolloutStatus};
 use crate::api::{ConnectionFleet, Plan, SysctlMode};
 use crate::autoscale;
+use crate::calibrate;
 use crate::names::FIELD_MANAGER;
+use crate::plan::calibration::State as CalibrationState;
 use crate::plan::{self, NodeFacts, PlanError};
 use crate::policy::{Policy, Refusal};
 use crate::reason::Reason;
@@ -243,6 +245,8 @@ pub struct Context {
     /// The version this process last read (GET) or wrote (status) each
     /// fleet at ([`observe::fleet`]).
     versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, observe::Known>>,
+    /// The calibrations this process runs (`spec.backend.calibrate`).
+    calibrations: calibrate::Runs,
 }
 
 impl Context {
@@ -272,6 +276,7 @@ impl Context {
             cache: None,
             gates: Mutex::default(),
             versions: Mutex::default(),
+            calibrations: calibrate::Runs::default(),
         }
     }
 
@@ -356,6 +361,11 @@ pub enum Ended {
         /// The failure.
         error: Error,
     },
+    /// The fleet's first calibration runs; its objects wait for it.
+    Calibrating {
+        /// The plan from the spec or the model, until the measurement.
+        plan: Plan,
+    },
     /// Every step ran.
     Applied {
         /// The plan.
@@ -395,17 +405,29 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
             ctx.versions.lock().unwrap().remove(&key);
             return Ok(Action::await_change());
         }
-        Err(e) => return report::report(&ctx, &fleet, e.into(), &now).await,
+        Err(e) => return report::report(&ctx, &fleet, e.into(), None, &now).await,
     };
-    let ended = pipeline(&ctx, &fleet).await.unwrap_or_else(|e| e);
-    report::report(&ctx, &fleet, ended, &now).await
+    let mut calibration = None;
+    let ended = pipeline(&ctx, &fleet, &mut calibration)
+        .await
+        .unwrap_or_else(|e| e);
+    report::report(&ctx, &fleet, ended, calibration.as_ref(), &now).await
 }
 
-/// observe → plan → metrics loop → render → apply → observe the workload;
-/// `Err` ends it early.
+/// The fleet's latest calibration and where its calibration stands, as a
+/// reconcile saw them ([`calibrate::Runs`]).
+pub type Calibration = (Option<CalibrationStatus>, CalibrationState);
+
+/// observe → plan (→ calibrate) → metrics loop → render → apply → observe
+/// the workload; `Err` ends it early. `calibration` gets what the
+/// calibration step saw, when it ran.
 // `Err` is how the pipeline ended, not a cheap error value (see [`Ended`]).
 #[allow(clippy::result_large_err)]
-async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended> {
+async fn pipeline(
+    ctx: &Context,
+    fleet: &ConnectionFleet,
+    calibration: &mut Option<Calibration>,
+) -> Result<Ended, Ended> {
     let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
     let owner = fleet
         .controller_owner_ref(&())
@@ -417,10 +439,26 @@ async fn pipeline(ctx: &Context, fleet: &ConnectionFleet) -> Result<Ended, Ended
         _ => None,
     };
     let node = observe::node_facts(&ctx.client, cache, fleet).await?; // client required
-    let plan = plan_fleet(fleet, node, &ctx.policy)?; // no client required
+    let facts = node.as_ref().ok().copied();
+    let latest = ctx.calibrations.latest(fleet);
+    let plan = plan_fleet(fleet, node, &ctx.policy, latest.as_ref())?; // no client required
+    let state = match facts {
+        Some(facts) => {
+            let now = Timestamp::now();
+            let runs = &ctx.calibrations;
+            runs.tick(&ctx.client, fleet, latest.as_ref(), facts, &ctx.policy, now) // starts a run
+        }
+        None => CalibrationState::NotAsked,
+    };
+    let first = latest.is_none() && matches!(state, CalibrationState::Running { .. });
+    *calibration = Some((latest, state));
     let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid).await?; // client required
     reject_conflict(owned.conflict)?; // no client required
     let live = owned.deployment;
+    if first && live.is_none() {
+        // A new fleet's first shards are planned from the measurement.
+        return Ok(Ended::Calibrating { plan });
+    }
     let current = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
     let failed = |error| failed(&plan, None, error);
     let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone(), owned.secret)
@@ -536,6 +574,7 @@ fn plan_fleet(
     fleet: &ConnectionFleet,
     node: Result<(NodeFacts, NodeSource), PlanError>,
     policy: &Policy,
+    calibration: Option<&CalibrationStatus>,
 ) -> Result<Plan, Ended> {
     let rejected = |reason, e: PlanError| Ended::Rejected {
         reason,
@@ -561,10 +600,16 @@ fn plan_fleet(
     let node = node.map_err(|e| rejected(Reason::NoNodeProfile, e))?;
     plan::validate::queries(spec, &ns, &fleet.name_any(), &policy.query_matchers(&ns))
         .map_err(|e| rejected(Reason::InvalidSpec, e))?;
-    plan::capacity::plan_in_cluster(spec, node, policy).map_err(|e| match e {
-        PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
-        PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),
-    })
+    let sized = plan::calibration::sized_by(spec, calibration);
+    let mut plan = plan::capacity::plan_in_cluster(sized.as_ref().unwrap_or(spec), node, policy)
+        .map_err(|e| match e {
+            PlanError::Invalid(_) => rejected(Reason::InvalidSpec, e),
+            PlanError::Infeasible(_) => rejected(Reason::PlanInfeasible, e),
+        })?;
+    if sized.is_some() {
+        plan.user_bytes_source = Some(FigureSource::Calibrated);
+    }
+    Ok(plan)
 }
 
 #[allow(clippy::result_large_err)]
@@ -632,7 +677,7 @@ mod tests {
     /// The plan step under `policy`, on `spec.node` as the only node.
     #[allow(clippy::result_large_err)]
     fn plan_step(f: &ConnectionFleet, policy: &Policy) -> Result<Plan, Ended> {
-        plan_fleet(f, plan::nodes::resolve_sourced(&f.spec, None), policy)
+        plan_fleet(f, plan::nodes::resolve_sourced(&f.spec, None), policy, None)
     }
 
     fn rejected(r: Result<Plan, Ended>) -> (Reason, String) {

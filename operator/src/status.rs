@@ -11,10 +11,12 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use crate::api::status::RolloutStatus;
+use crate::api::status::{CalibrationStatus, FigureSource, RolloutStatus};
 use crate::api::sysctl::join_names;
 use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
+use crate::plan::calibration::State as CalibrationState;
 use crate::plan::drain::{DRAIN_ACCEPT_SECONDS, DRAIN_SLACK_SECONDS, drain_timeout_seconds};
+use crate::reason::ConditionType::Calibrated as CALIBRATED;
 use crate::reason::ConditionType::{
     self, Degraded as DEGRADED, KernelDrift as KERNEL_DRIFT, MetricsAvailable as METRICS_AVAILABLE,
     Progressing as PROGRESSING, Ready as READY, SysctlsApplied as SYSCTLS_APPLIED,
@@ -293,6 +295,12 @@ pub enum Outcome {
         /// The rollout under way ([`crate::rollout::observe`]), if any.
         rollout: Option<RolloutStatus>,
     },
+    /// The fleet's first calibration runs (`spec.backend.calibrate`): its
+    /// objects wait, so its first shards are planned from the measurement.
+    Calibrating {
+        /// The plan from the spec or the model, until the measurement.
+        plan: Plan,
+    },
     /// An API call failed (listing nodes, applying objects); retried with backoff.
     Failed {
         /// The plan, when one was made before the failure.
@@ -342,6 +350,12 @@ pub fn next_status(
             set(READY, false, *reason, message.clone());
             set(PROGRESSING, false, *reason, "retrying with backoff".into());
             set(DEGRADED, true, *reason, message.clone());
+        }
+        Outcome::Calibrating { .. } => {
+            let message = "no shard yet: the fleet's first shards wait for the calibration of its image (condition Calibrated)".to_string();
+            set(READY, false, Reason::Calibrating, message.clone());
+            set(PROGRESSING, true, Reason::Calibrating, message.clone());
+            set(DEGRADED, false, Reason::Calibrating, message);
         }
         Outcome::Applied {
             plan,
@@ -430,6 +444,7 @@ pub fn next_status(
     }
     let plan = match outcome {
         Outcome::Applied { plan, .. }
+        | Outcome::Calibrating { plan }
         | Outcome::Failed {
             plan: Some(plan), ..
         } => Some(plan),
@@ -576,6 +591,81 @@ pub fn apply_loop(
     }
 }
 
+/// Folds the fleet's calibration into `status`: the `latest` measurement
+/// as `status.calibration` (a failed or running one keeps the last), and
+/// the `Calibrated` condition from `state` (dropped without
+/// `spec.backend.calibrate`). The plan's `userBytesSource` says whether
+/// the plan sized from it.
+pub fn apply_calibration(
+    status: &mut ConnectionFleetStatus,
+    latest: Option<&CalibrationStatus>,
+    state: &CalibrationState,
+    generation: i64,
+    now: &Time,
+) {
+    if let Some(c) = latest {
+        status.calibration = Some(c.clone());
+    }
+    let sized = match status.plan.as_ref().and_then(|p| p.user_bytes_source) {
+        Some(FigureSource::Calibrated) => match &status.calibration {
+            Some(c) => format!(
+                "the plan sizes from the calibration of {} ({} B user per connection)",
+                c.image, c.per_connection.user
+            ),
+            None => "the plan sizes from a calibration".into(),
+        },
+        Some(FigureSource::Spec) => {
+            "the plan sizes from spec.backend.userBytesPerConnection".into()
+        }
+        _ => "the plan sizes from the backend model's figure".into(),
+    };
+    let mut set = |ok: Option<bool>, reason: Reason, message: String| {
+        set_condition_status(
+            &mut status.conditions,
+            CALIBRATED,
+            ok,
+            reason,
+            message,
+            generation,
+            now,
+        )
+    };
+    match state {
+        CalibrationState::NotAsked => status.conditions.retain(|c| c.type_ != CALIBRATED.as_str()),
+        CalibrationState::Measured => {
+            let message = status.calibration.as_ref().map_or_else(String::new, |c| {
+                format!(
+                    "{} ({}) on node {} at {} connections: {} B user + {} B kernel, {} B pod per idle connection; {sized}",
+                    c.image,
+                    c.image_id,
+                    c.node,
+                    c.connections,
+                    c.per_connection.user,
+                    c.per_connection.kernel,
+                    c.per_connection.pod
+                )
+            });
+            set(Some(true), Reason::Measured, message)
+        }
+        CalibrationState::Running { since, why } => set(
+            None,
+            Reason::Calibrating,
+            format!("calibrating since {since} ({why}); {sized}"),
+        ),
+        CalibrationState::Failed {
+            reason,
+            message,
+            retry_at,
+        } => set(
+            Some(false),
+            *reason,
+            format!(
+                "{message}; {sized}; next try at {retry_at}, or at once when the image, model, protocol or spec.backend.calibrate changes"
+            ),
+        ),
+    }
+}
+
 /// The events a change from `prev` to `next` announces, after a reconcile
 /// that ended in `outcome` (with the metrics loop's own `loop_events`):
 ///
@@ -613,6 +703,18 @@ pub fn announcements(
     }
     out.extend(loop_events.iter().cloned());
 
+    if let Some(c) = condition(next, CALIBRATED)
+        && before(CALIBRATED).map(|p| (&p.status, &p.reason)) != Some((&c.status, &c.reason))
+        && let Some(reason) = reason_of(c)
+    {
+        out.push(Announcement {
+            warning: c.status == "False",
+            reason,
+            action: EventAction::Calibrate,
+            note: c.message.clone(),
+        });
+    }
+
     if let Some(d) = condition(next, DEGRADED).filter(|d| d.status == "True")
         && let Some(reason) = reason_of(d)
     {
@@ -625,7 +727,9 @@ pub fn announcements(
                     EventAction::Plan
                 },
             ),
-            Outcome::Rejected { .. } => (before(DEGRADED) != Some(d), EventAction::Plan),
+            Outcome::Rejected { .. } | Outcome::Calibrating { .. } => {
+                (before(DEGRADED) != Some(d), EventAction::Plan)
+            }
             Outcome::Failed { .. } => (before(DEGRADED) != Some(d), EventAction::Reconcile),
         };
         if changed {
@@ -635,6 +739,7 @@ pub fn announcements(
 
     let plan = match outcome {
         Outcome::Applied { plan, .. }
+        | Outcome::Calibrating { plan }
         | Outcome::Failed {
             plan: Some(plan), ..
         } => Some(plan),
@@ -1789,5 +1894,107 @@ mod tests {
             condition(&s, DEGRADED).unwrap().message,
             format!("the plan holds {} connections", free.capacity)
         );
+    }
+
+    #[test]
+    fn calibration_state_becomes_the_calibrated_condition_and_a_failure_keeps_the_last_figures() {
+        use crate::api::status::{CalibratedBytes, CalibrationStatus};
+        let c = CalibrationStatus {
+            image: "team/chat:1".into(),
+            image_id: "sha256:1".into(),
+            model: crate::api::BackendModel::Goroutine,
+            protocol: crate::api::Protocol::Echo,
+            requested: Default::default(),
+            node: "n1".into(),
+            cgroup_mode: "v1".into(),
+            socket_accounted: false,
+            connections: 16000,
+            slow_readers: 160,
+            per_connection: CalibratedBytes {
+                user: 3916,
+                kernel: 1504,
+                pod: 5413,
+            },
+            per_slow_reader: None,
+            pod_slope_percent: -2.5,
+            time: t(10),
+            duration_seconds: 31,
+        };
+        let mut s = ConnectionFleetStatus::default();
+        let running = CalibrationState::Running {
+            since: t(5).0,
+            why: "no calibration yet".into(),
+        };
+        apply_calibration(&mut s, None, &running, 1, &t(5));
+        let cond = condition(&s, CALIBRATED).unwrap();
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("Unknown", "Calibrating")
+        );
+        assert!(
+            cond.message.contains("no calibration yet"),
+            "{}",
+            cond.message
+        );
+
+        let mut plan = a_plan();
+        plan.user_bytes_source = Some(FigureSource::Calibrated);
+        s.plan = Some(plan);
+        apply_calibration(&mut s, Some(&c), &CalibrationState::Measured, 1, &t(10));
+        assert_eq!(s.calibration.as_ref(), Some(&c));
+        let cond = condition(&s, CALIBRATED).unwrap();
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("True", "Measured")
+        );
+        assert!(
+            cond.message.contains("3916 B user") && cond.message.contains("n1"),
+            "{}",
+            cond.message
+        );
+
+        let failed = CalibrationState::Failed {
+            reason: Reason::CalibrationShardNotReady,
+            message: "Unschedulable: 0/1 nodes are available: 1 Insufficient cpu".into(),
+            retry_at: t(610).0,
+        };
+        apply_calibration(&mut s, None, &failed, 2, &t(20));
+        assert_eq!(
+            s.calibration.as_ref(),
+            Some(&c),
+            "a failure keeps the last calibration"
+        );
+        let cond = condition(&s, CALIBRATED).unwrap();
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("False", "CalibrationShardNotReady")
+        );
+        assert!(
+            cond.message.contains("Insufficient cpu")
+                && cond.message.contains("team/chat:1 (3916 B user"),
+            "{}",
+            cond.message
+        );
+        let notes = announcements(
+            Some(&ConnectionFleetStatus {
+                conditions: vec![],
+                ..s.clone()
+            }),
+            &s,
+            &Outcome::Rejected {
+                reason: Reason::InvalidSpec,
+                message: String::new(),
+            },
+            &[],
+        );
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.warning && n.reason == Reason::CalibrationShardNotReady),
+            "{notes:?}"
+        );
+
+        apply_calibration(&mut s, None, &CalibrationState::NotAsked, 3, &t(30));
+        assert!(condition(&s, CALIBRATED).is_none());
     }
 }

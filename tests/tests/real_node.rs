@@ -1186,6 +1186,127 @@ fn calibrating_a_go_goroutine_server_prices_its_connections_from_its_own_memory(
     assert!(limit("after") < limit("before"), "{s}");
 }
 
+/// A fleet asking for calibration (`spec.backend.calibrate`) is measured
+/// by the operator before its first shard, and planned from the
+/// measurement; a later calibration that cannot run (its shard has no room
+/// beside the fleet's own on the one-CPU node) says why and keeps the plan.
+#[test]
+fn a_fleet_asking_for_calibration_is_planned_from_its_own_measurement() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    real_node();
+    ensure_crd();
+    let ns = Namespace::create("calibrated");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    let manifest = calibration_fleet("goecho", "goroutine", "c10m/goecho:0.1.0").replace(
+        "    protocol: echo\n",
+        "    protocol: echo\n    calibrate:\n      connections: 8000\n",
+    );
+    assert!(manifest.contains("calibrate:"), "{manifest}");
+    let started = Instant::now();
+    let (ok, out) = apply(ns, &manifest);
+    assert!(ok, "{out}");
+    let f = wait_condition(
+        ns,
+        "goecho",
+        "Calibrated",
+        "True",
+        Some("Measured"),
+        4 * MINUTE,
+    );
+    let measured_after = started.elapsed();
+    let c = &f["status"]["calibration"];
+    let plan = &f["status"]["plan"];
+    let user = c["perConnection"]["user"].as_i64().unwrap();
+    println!(
+        "FIGURE operator_calibration_goroutine_user_bytes={user} kernel_bytes={} pod_bytes={} \
+         duration_seconds={} measured_after_seconds={:.0} memory_limit_bytes={}",
+        c["perConnection"]["kernel"],
+        c["perConnection"]["pod"],
+        c["durationSeconds"],
+        measured_after.as_secs_f64(),
+        plan["memoryLimitBytes"]
+    );
+    assert_eq!(c["image"], "c10m/goecho:0.1.0", "{c}");
+    assert!(c["imageId"].as_str().unwrap().starts_with("sha256:"), "{c}");
+    assert_eq!(c["node"], NODE, "{c}");
+    assert_eq!(c["cgroupMode"], host_cgroup_mode().1, "{c}");
+    assert_eq!(
+        (c["connections"].as_i64(), c["slowReaders"].as_i64()),
+        (Some(8000), Some(80)),
+        "{c}"
+    );
+    assert_eq!(c["requested"]["connections"], 8000, "{c}");
+    assert!(user > 1_000 && user < 11_900, "{c}");
+    assert_eq!(plan["userBytesSource"], "Calibrated", "{plan}");
+    assert_eq!(plan["bytesPerConnection"]["user"], user, "{plan}");
+    assert_eq!(calibration_pods(ns), "", "the calibration left pods behind");
+    assert!(
+        get_json(ns, "secret", "goecho-calibration-admin").is_none(),
+        "the calibration left its Secret behind"
+    );
+    // The first shard waited for the measurement, and runs the plan made
+    // from it.
+    let f = wait_fleet_ready(ns, "goecho", 2 * MINUTE);
+    let d = get_json(ns, "deployment", "goecho").expect("the fleet's Deployment");
+    let created = d["metadata"]["creationTimestamp"].as_str().unwrap();
+    let measured_at = c["time"].as_str().unwrap();
+    assert!(
+        created >= measured_at,
+        "Deployment created {created}, calibration ended {measured_at}"
+    );
+    let limit = &d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"];
+    assert_eq!(
+        limit.as_str().unwrap(),
+        f["status"]["plan"]["memoryLimitBytes"].to_string(),
+        "{d}"
+    );
+
+    // A new calibration (another load) cannot run beside the fleet's own
+    // shard: the node has one CPU to give. It gives up after a minute
+    // unschedulable.
+    let (ok, out) = apply(
+        ns,
+        &manifest.replace("connections: 8000", "connections: 6000"),
+    );
+    assert!(ok, "{out}");
+    let f = wait_condition(
+        ns,
+        "goecho",
+        "Calibrated",
+        "False",
+        Some("CalibrationShardNotReady"),
+        3 * MINUTE,
+    );
+    let cond = condition(&f, "Calibrated").unwrap();
+    let message = cond["message"].as_str().unwrap();
+    assert!(
+        message.contains("Unschedulable") && message.contains("Insufficient cpu"),
+        "{message}"
+    );
+    assert!(message.contains("next try at"), "{message}");
+    assert_eq!(
+        f["status"]["calibration"], *c,
+        "a failed calibration replaced the last one"
+    );
+    assert_eq!(
+        f["status"]["plan"]["memoryLimitBytes"],
+        plan["memoryLimitBytes"]
+    );
+    assert_eq!(f["status"]["plan"]["userBytesSource"], "Calibrated");
+    assert_eq!(condition(&f, "Ready").unwrap()["status"], "True", "{f}");
+    let warned = fleet_events(ns, "goecho");
+    assert!(
+        warned
+            .iter()
+            .any(|(kind, reason, _)| kind == "Warning" && reason == "CalibrationShardNotReady"),
+        "{warned:?}"
+    );
+    wait_for("the failed calibration's pods gone", MINUTE, || {
+        calibration_pods(ns).is_empty().then_some(())
+    });
+}
+
 /// A calibration whose image never runs says so at once, and leaves no pod.
 #[test]
 fn a_calibration_whose_image_never_runs_says_why() {

@@ -240,6 +240,16 @@ pub struct Plan {
         deserialize_with = "lenient"
     )]
     pub node_source: Option<NodeSource>,
+    /// Where `bytesPerConnection.user` came from: `Calibrated`
+    /// (`status.calibration`), `Spec` (`spec.backend.userBytesPerConnection`)
+    /// or `Model` (the backend model's figure). The kernel figures' source
+    /// is `nodeSource.kernelBytesPerSocket` (absent: the measured model).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
+    pub user_bytes_source: Option<FigureSource>,
     /// The failure domain the plan survives (`spec.availability.failureDomain`).
     #[serde(default)]
     pub failure_domain: FailureDomain,
@@ -427,6 +437,73 @@ where
         .collect())
 }
 
+/// Where a per-connection figure of the plan came from.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FigureSource {
+    /// Measured on the cluster (`status.calibration`).
+    Calibrated,
+    /// Given in the spec.
+    Spec,
+    /// The backend model's figure (docs/capacity-model.md).
+    Model,
+}
+
+/// Bytes one connection (or one slow reader) costs a shard pod, as
+/// calibrated: least-squares slopes over the probe's samples, rounded.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CalibratedBytes {
+    /// Anonymous memory (v1 `memory.stat` `total_rss`, v2 `anon`).
+    pub user: i64,
+    /// Kernel memory charged to the pod (v1 kmem [+ kmem.tcp], v2
+    /// `kernel` + `sock`).
+    pub kernel: i64,
+    /// The pod's memory (v1 `usage_in_bytes` [+ kmem.tcp], v2
+    /// `memory.current`).
+    pub pod: i64,
+}
+
+/// The last successful calibration of the fleet's image
+/// (`spec.backend.calibrate`; docs/capacity-model.md#calibration).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CalibrationStatus {
+    /// `spec.server.image` as the fleet named it when measured.
+    pub image: String,
+    /// The image the node ran (`containerStatuses[].imageID`, a digest).
+    pub image_id: String,
+    /// `spec.backend.model` when measured.
+    pub model: super::BackendModel,
+    /// `spec.backend.protocol` when measured.
+    pub protocol: super::Protocol,
+    /// `spec.backend.calibrate` when measured.
+    pub requested: super::Calibrate,
+    /// The node the shard ran on.
+    pub node: String,
+    /// The node's cgroup version (`v1`, `v2`) and whether sockets were
+    /// charged to the pod (v1 only with kmem.tcp accounting).
+    pub cgroup_mode: String,
+    /// Sockets' buffers charged to the pod's memory cgroup.
+    pub socket_accounted: bool,
+    /// Idle connections at the largest step.
+    pub connections: i64,
+    /// Slow readers after the last step.
+    pub slow_readers: i64,
+    /// Bytes per idle connection.
+    pub per_connection: CalibratedBytes,
+    /// Bytes per slow reader (1 MiB sent, nothing read); absent when none
+    /// was opened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_slow_reader: Option<CalibratedBytes>,
+    /// Per-connection pod bytes from the smallest to the largest step,
+    /// percent change (near 0: the figure does not grow with N).
+    pub pod_slope_percent: f64,
+    /// When it ended.
+    pub time: Time,
+    /// Seconds from the shard pod's creation to the probe's report.
+    pub duration_seconds: i64,
+}
+
 /// Observed state of a fleet, written only through the status subresource.
 // Its derived parts (conditions, plan, autoscaling, rebalance) are read
 // leniently: what cannot be read is dropped, never an error.
@@ -495,6 +572,15 @@ pub struct ConnectionFleetStatus {
         deserialize_with = "lenient"
     )]
     pub rollout: Option<RolloutStatus>,
+
+    /// The last successful calibration (`spec.backend.calibrate`); kept
+    /// when a later one fails, which the `Calibrated` condition reports.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
+    pub calibration: Option<CalibrationStatus>,
 }
 
 /// A rollout's progress, read from the fleet's ReplicaSets and pods.

@@ -8,9 +8,159 @@
 //! Every figure is a difference between samples of the same pod, so what
 //! does not depend on connections (the binary's pages, the runtime's heap,
 //! the pause container) cancels out.
+//!
+//! It also decides, for a fleet with `spec.backend.calibrate`, whether its
+//! last calibration still measures what the spec runs ([`Asked`]), what
+//! the operator does next ([`next`]) and the spec the plan sizes from
+//! ([`sized_by`]).
 
 use c10m_wire::calibrate::{Report, Sample};
+use k8s_openapi::jiff::Timestamp;
 use serde::{Deserialize, Serialize};
+
+use crate::api::status::CalibrationStatus;
+use crate::api::{BackendModel, Calibrate, ConnectionFleetSpec, Protocol};
+use crate::reason::Reason;
+
+/// What a calibration measures under: the spec fields that make a
+/// calibration stale when they change.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Asked {
+    /// `spec.server.image`.
+    pub image: String,
+    /// `spec.backend.model`.
+    pub model: BackendModel,
+    /// `spec.backend.protocol`.
+    pub protocol: Protocol,
+    /// `spec.backend.calibrate`.
+    pub requested: Calibrate,
+}
+
+impl Asked {
+    /// What `spec` asks to calibrate; `None` without `spec.backend.calibrate`.
+    pub fn of(spec: &ConnectionFleetSpec) -> Option<Asked> {
+        Some(Asked {
+            image: spec.server.image.clone(),
+            model: spec.backend.model,
+            protocol: spec.backend.protocol,
+            requested: spec.backend.calibrate?,
+        })
+    }
+
+    /// Why `c` does not measure what this asks, naming the field; `None`
+    /// when it does.
+    pub fn differs(&self, c: &CalibrationStatus) -> Option<String> {
+        if self.image != c.image {
+            Some(format!(
+                "spec.server.image is {}; the last calibration measured {}",
+                self.image, c.image
+            ))
+        } else if self.model != c.model {
+            Some(format!(
+                "spec.backend.model is {:?}; the last calibration measured {:?}",
+                self.model, c.model
+            ))
+        } else if self.protocol != c.protocol {
+            Some(format!(
+                "spec.backend.protocol is {:?}; the last calibration measured {:?}",
+                self.protocol, c.protocol
+            ))
+        } else if self.requested != c.requested {
+            Some(format!(
+                "spec.backend.calibrate is {:?}; the last calibration ran {:?}",
+                self.requested, c.requested
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+/// Where a fleet's calibration stands (the `Calibrated` condition).
+#[derive(Clone, Debug, PartialEq)]
+pub enum State {
+    /// No `spec.backend.calibrate`.
+    NotAsked,
+    /// The last calibration measures what the spec runs.
+    Measured,
+    /// A run is under way since `since`; `why` it runs (no calibration
+    /// yet, or what changed).
+    Running {
+        /// When it started.
+        since: Timestamp,
+        /// Why, in words.
+        why: String,
+    },
+    /// The last run for this spec failed at `at`; the next starts at
+    /// `retry_at` (or at once on a change).
+    Failed {
+        /// The condition's reason.
+        reason: Reason,
+        /// What failed, in words.
+        message: String,
+        /// When the next run starts.
+        retry_at: Timestamp,
+    },
+}
+
+/// Why a run failed: the `Calibrated` condition's reason, and the error.
+pub type Failure = (Reason, String);
+
+/// A run of this operator process as [`next`] sees it: whether it ran
+/// for the spec now asked, when it started, and when it ended with which
+/// failure (`None`: it measured).
+pub type RunSeen = (bool, Timestamp, Option<(Timestamp, Option<Failure>)>);
+
+/// What to do about a fleet asking `asked`, given its `latest`
+/// measurement and this process's `run` of it: [`State::Running`] with
+/// `since == now` means start one (the caller starts it).
+pub fn next(
+    asked: &Asked,
+    latest: Option<&CalibrationStatus>,
+    run: Option<RunSeen>,
+    now: Timestamp,
+    retry_seconds: i64,
+) -> State {
+    let why = match latest.map(|c| asked.differs(c)) {
+        Some(None) => return State::Measured,
+        Some(Some(why)) => why,
+        None => "no calibration yet".to_string(),
+    };
+    match run {
+        Some((same, since, None)) => State::Running {
+            since,
+            why: if same {
+                why
+            } else {
+                format!("{why}; a run for the spec before is still under way")
+            },
+        },
+        Some((true, _, Some((at, Some((reason, message))))))
+            if now.as_second() < at.as_second() + retry_seconds =>
+        {
+            State::Failed {
+                reason,
+                message,
+                retry_at: Timestamp::from_second(at.as_second() + retry_seconds).unwrap_or(now),
+            }
+        }
+        _ => State::Running { since: now, why },
+    }
+}
+
+/// The spec the plan sizes from: with `spec.backend.calibrate` and a
+/// measurement, `spec` with the measured user bytes as
+/// `backend.userBytesPerConnection` (the last measurement also while a
+/// newer one runs or failed: the last good plan is kept); else `None`.
+pub fn sized_by(
+    spec: &ConnectionFleetSpec,
+    latest: Option<&CalibrationStatus>,
+) -> Option<ConnectionFleetSpec> {
+    let c = latest.filter(|_| spec.backend.calibrate.is_some())?;
+    let mut sized = spec.clone();
+    sized.backend.user_bytes_per_connection = Some(c.per_connection.user.max(0));
+    Some(sized)
+}
 
 /// Bytes per connection, in user space, in the kernel (as charged to the
 /// pod's memory cgroup), and in the pod's memory cgroup as a whole.
@@ -168,7 +318,190 @@ pub fn fit(report: &Report) -> Result<Fit, FitError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::status::CalibratedBytes;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use proptest::prelude::*;
+
+    fn spec(calibrate: serde_json::Value) -> ConnectionFleetSpec {
+        serde_json::from_value(serde_json::json!({
+            "connections": 100000,
+            "backend": {"model": "goroutine", "calibrate": calibrate},
+            "server": {"image": "team/chat:1"}
+        }))
+        .unwrap()
+    }
+
+    fn measured(s: &ConnectionFleetSpec) -> CalibrationStatus {
+        CalibrationStatus {
+            image: s.server.image.clone(),
+            image_id: "sha256:1".into(),
+            model: s.backend.model,
+            protocol: s.backend.protocol,
+            requested: s.backend.calibrate.unwrap_or_default(),
+            node: "n".into(),
+            cgroup_mode: "v2".into(),
+            socket_accounted: true,
+            connections: 16000,
+            slow_readers: 160,
+            per_connection: CalibratedBytes {
+                user: 3916,
+                kernel: 1500,
+                pod: 5400,
+            },
+            per_slow_reader: None,
+            pod_slope_percent: 0.4,
+            time: Time(Timestamp::UNIX_EPOCH),
+            duration_seconds: 31,
+        }
+    }
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(s).unwrap()
+    }
+
+    #[test]
+    fn a_change_of_image_model_protocol_or_request_makes_a_calibration_stale() {
+        let s = spec(serde_json::json!({"connections": 16000}));
+        let c = measured(&s);
+        let asked = Asked::of(&s).unwrap();
+        assert_eq!(asked.differs(&c), None);
+        let mut image = s.clone();
+        image.server.image = "team/chat:2".into();
+        let why = Asked::of(&image).unwrap().differs(&c).unwrap();
+        assert!(
+            why.contains("spec.server.image is team/chat:2") && why.contains("team/chat:1"),
+            "{why}"
+        );
+        let mut model = s.clone();
+        model.backend.model = BackendModel::Custom;
+        assert!(
+            Asked::of(&model)
+                .unwrap()
+                .differs(&c)
+                .unwrap()
+                .contains("spec.backend.model")
+        );
+        let mut protocol = s.clone();
+        protocol.backend.protocol = Protocol::Websocket;
+        assert!(
+            Asked::of(&protocol)
+                .unwrap()
+                .differs(&c)
+                .unwrap()
+                .contains("protocol")
+        );
+        let more = spec(serde_json::json!({"connections": 18000}));
+        assert!(
+            Asked::of(&more)
+                .unwrap()
+                .differs(&c)
+                .unwrap()
+                .contains("spec.backend.calibrate")
+        );
+        let mut none = s.clone();
+        none.backend.calibrate = None;
+        assert_eq!(Asked::of(&none), None);
+    }
+
+    #[test]
+    fn next_starts_once_waits_for_a_run_and_retries_a_failure_only_after_the_delay() {
+        let s = spec(serde_json::json!({}));
+        let asked = Asked::of(&s).unwrap();
+        let c = measured(&s);
+        // Nothing measured, nothing running: start now.
+        let start = next(&asked, None, None, at(100), 600);
+        assert_eq!(
+            start,
+            State::Running {
+                since: at(100),
+                why: "no calibration yet".into()
+            }
+        );
+        // Measured for this spec: nothing to do, whatever ran before.
+        assert_eq!(next(&asked, Some(&c), None, at(100), 600), State::Measured);
+        // A run under way is waited for, not started again.
+        let running = next(&asked, None, Some((true, at(50), None)), at(100), 600);
+        assert_eq!(
+            running,
+            State::Running {
+                since: at(50),
+                why: "no calibration yet".into()
+            }
+        );
+        // A failure of this spec holds until the retry delay has passed.
+        let failure = Some((
+            Reason::CalibrationShardNotReady,
+            "Unschedulable".to_string(),
+        ));
+        let failed = next(
+            &asked,
+            None,
+            Some((true, at(50), Some((at(90), failure.clone())))),
+            at(100),
+            600,
+        );
+        assert_eq!(
+            failed,
+            State::Failed {
+                reason: Reason::CalibrationShardNotReady,
+                message: "Unschedulable".into(),
+                retry_at: at(690)
+            }
+        );
+        let retried = next(
+            &asked,
+            None,
+            Some((true, at(50), Some((at(90), failure.clone())))),
+            at(690),
+            600,
+        );
+        assert_eq!(
+            retried,
+            State::Running {
+                since: at(690),
+                why: "no calibration yet".into()
+            }
+        );
+        // A failure of an earlier spec does not hold a changed one.
+        let changed = next(
+            &asked,
+            None,
+            Some((false, at(50), Some((at(90), failure)))),
+            at(100),
+            600,
+        );
+        assert!(matches!(changed, State::Running { since, .. } if since == at(100)));
+        // A stale calibration says why it runs again.
+        let mut image = s.clone();
+        image.server.image = "team/chat:2".into();
+        let stale = next(&Asked::of(&image).unwrap(), Some(&c), None, at(100), 600);
+        assert!(
+            matches!(stale, State::Running { ref why, .. } if why.contains("team/chat:2")),
+            "{stale:?}"
+        );
+    }
+
+    #[test]
+    fn the_plan_sizes_from_the_last_calibration_only_when_asked() {
+        let s = spec(serde_json::json!({}));
+        let c = measured(&s);
+        let sized = sized_by(&s, Some(&c)).unwrap();
+        assert_eq!(sized.backend.user_bytes_per_connection, Some(3916));
+        // A stale one still sizes the plan (the last good plan is kept).
+        let mut image = s.clone();
+        image.server.image = "team/chat:2".into();
+        assert_eq!(
+            sized_by(&image, Some(&c))
+                .unwrap()
+                .backend
+                .user_bytes_per_connection,
+            Some(3916)
+        );
+        assert_eq!(sized_by(&s, None), None);
+        let mut none = s.clone();
+        none.backend.calibrate = None;
+        assert_eq!(sized_by(&none, Some(&c)), None);
+    }
 
     fn sample(n: u64, slow: u64, user: u64, kernel: u64) -> Sample {
         Sample {

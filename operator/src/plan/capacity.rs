@@ -23,7 +23,7 @@
 
 use std::cmp::Reverse;
 
-use crate::api::status::NodeSource;
+use crate::api::status::{FigureSource, NodeSource};
 use crate::api::sysctl::{Sysctl, SysctlValue, Sysctls};
 use crate::api::{
     BackendModel, BytesPerConnection, CgroupMode, ConnectionFleetSpec, FailureDomain,
@@ -734,6 +734,11 @@ fn plan_shape(
         node_cpus: node.cpus as i32,
         node_pods: node.pods.clamp(0, i32::MAX as i64) as i32,
         node_source: None,
+        user_bytes_source: Some(if spec.backend.user_bytes_per_connection.is_some() {
+            FigureSource::Spec
+        } else {
+            FigureSource::Model
+        }),
         failure_domain: inputs.failure_domain,
         failure_domain_shards: lost as i32,
         refill_seconds: inputs.refill_seconds(shards, lost),

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 use super::{Context, Ended, Error, RESYNC, truncate};
 use crate::api::{ConnectionFleet, ConnectionFleetStatus};
 use crate::names::FIELD_MANAGER;
+use crate::plan::calibration::State as CalibrationState;
 use crate::reason::Announcement;
 use crate::rollout;
 use crate::status::{self, Outcome, Shards};
@@ -35,7 +36,13 @@ pub const ROLLOUT_RECHECK: Duration = Duration::from_secs(15);
 /// ([`rollout::next_deadline`]).
 pub const ROLLOUT_LOOK_AGAIN: Duration = Duration::from_secs(1);
 
-/// Derives, publishes and writes what the pipeline `ended` with. Returns the
+/// The next look while a calibration runs: its end is seen by no watch
+/// (it ends in this process). A run takes 30 s or more
+/// (docs/capacity-model.md#calibration); chosen.
+pub const CALIBRATION_LOOK_AGAIN: Duration = Duration::from_secs(5);
+
+/// Derives, publishes and writes what the pipeline `ended` with (and the
+/// `calibration` it saw; `None`: left as it was). Returns the
 /// requeue for a fleet that is as planned or rejected (a rejected spec waits
 /// for a change, never a retry loop), and the pipeline's error for a failed
 /// step, after recording it (status write best effort: the API may be what
@@ -45,12 +52,14 @@ pub async fn report(
     ctx: &Context,
     fleet: &ConnectionFleet,
     ended: Ended,
+    calibration: Option<&super::Calibration>,
     now: &Time,
 ) -> Result<Action, Error> {
     let prev = fleet.status.as_ref();
     let generation = fleet.metadata.generation.unwrap_or(0);
     let (outcome, looped, error) = match ended {
         Ended::Rejected { reason, message } => (Outcome::Rejected { reason, message }, None, None),
+        Ended::Calibrating { plan } => (Outcome::Calibrating { plan }, None, None),
         Ended::Failed {
             plan,
             looped,
@@ -95,6 +104,9 @@ pub async fn report(
     if let Some(l) = &looped {
         status::apply_loop(&mut next, l, generation, now);
     }
+    if let Some((latest, state)) = calibration {
+        status::apply_calibration(&mut next, latest.as_ref(), state, generation, now);
+    }
     let events = looped.as_ref().map_or(&[][..], |l| &l.events[..]);
     let notes = status::announcements(prev, &next, &outcome, events);
     if let Outcome::Rejected { reason, message } = &outcome
@@ -136,6 +148,13 @@ pub async fn report(
         }
         Outcome::Applied { shards, .. } if !shards.rolled_out() => ROLLOUT_RECHECK,
         _ => RESYNC,
+    };
+    let calibrating =
+        calibration.is_some_and(|(_, s)| matches!(s, CalibrationState::Running { .. }));
+    let wait = if calibrating {
+        wait.min(CALIBRATION_LOOK_AGAIN)
+    } else {
+        wait
     };
     let resync = looped.and_then(|l| l.resync);
     Ok(Action::requeue(resync.map_or(wait, |r| r.min(wait))))
