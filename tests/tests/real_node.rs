@@ -1307,6 +1307,62 @@ fn a_fleet_asking_for_calibration_is_planned_from_its_own_measurement() {
     });
 }
 
+/// A fleet whose typed-in guess is far too low (10 B of user space per
+/// connection for a Go server that spends about 4 KB) asks for calibration:
+/// the calibration's shard, planned from the guess, is OOM-killed, the
+/// condition says after how many connections and at what pod bytes, and
+/// the fleet is planned from the spec meanwhile.
+#[test]
+fn a_calibration_killed_for_memory_says_how_far_it_got() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    real_node();
+    ensure_crd();
+    let ns = Namespace::create("calibrated-oom");
+    let ns = ns.0.as_str();
+    let _op = Operator::start(ns);
+    let manifest = calibration_fleet("guess", "goroutine", "c10m/goecho:0.1.0").replace(
+        "    protocol: echo\n",
+        "    protocol: echo\n    userBytesPerConnection: 10\n    calibrate: {}\n",
+    );
+    let (ok, out) = apply(ns, &manifest);
+    assert!(ok, "{out}");
+    let f = wait_condition(
+        ns,
+        "guess",
+        "Calibrated",
+        "False",
+        Some("CalibrationOOMKilled"),
+        4 * MINUTE,
+    );
+    let message = condition(&f, "Calibrated").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    println!("FIGURE operator_calibration_oom message={message:?}");
+    let reached: u64 = message
+        .split("OOM-killed after ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no connection count in {message:?}"));
+    let limit = f["status"]["plan"]["memoryLimitBytes"].as_u64().unwrap();
+    assert!(reached > 0, "{message}");
+    assert!(
+        message.contains(&format!("its memory limit is {limit} B")),
+        "{message}"
+    );
+    assert!(message.contains("pod bytes then: "), "{message}");
+    assert!(f["status"].get("calibration").is_none(), "{f}");
+    assert_eq!(f["status"]["plan"]["userBytesSource"], "Spec", "{f}");
+    // The fleet does not wait for a calibration that failed.
+    wait_for("the fleet's Deployment", MINUTE, || {
+        get_json(ns, "deployment", "guess")
+    });
+    wait_for("the calibration's pods gone", MINUTE, || {
+        calibration_pods(ns).is_empty().then_some(())
+    });
+}
+
 /// A calibration whose image never runs says so at once, and leaves no pod.
 #[test]
 fn a_calibration_whose_image_never_runs_says_why() {
