@@ -713,9 +713,8 @@ pub async fn run(
             fit.connections
         )));
     }
-    let mut measured = fleet.spec.clone();
-    measured.backend.user_bytes_per_connection =
-        Some(fit.per_connection.user.round().max(0.0) as i64);
+    let measured =
+        calibration::with_user_bytes(&fleet.spec, fit.per_connection.user.round() as i64);
     let calibrated = plan::capacity::plan_in_cluster(&measured, facts, policy)?;
     Ok(Outcome {
         image: fleet.spec.server.image.clone(),
@@ -945,10 +944,10 @@ impl Runs {
         };
         let k = key(fleet);
         let mut runs = self.0.lock().unwrap();
-        let run = runs.get(&k).map(|r| (&r.asked, r.since, r.ended.as_ref()));
-        let run = run.map(|(a, since, ended)| {
-            let ended = ended.map(|(at, r)| (*at, r.as_ref().err().cloned()));
-            (a == &asked, since, ended)
+        let run = runs.get(&k).map(|r| {
+            let ended = r.ended.as_ref();
+            let ended = ended.map(|(at, result)| (*at, result.as_ref().err().cloned()));
+            (r.asked == asked, r.since, ended)
         });
         let idle = run.as_ref().is_none_or(|(_, _, ended)| ended.is_some());
         let next = calibration::next(&asked, latest, run, now, RETRY_SECONDS);

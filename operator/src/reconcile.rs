@@ -439,17 +439,11 @@ async fn pipeline(
         _ => None,
     };
     let node = observe::node_facts(&ctx.client, cache, fleet).await?; // client required
-    let facts = node.as_ref().ok().copied();
     let latest = ctx.calibrations.latest(fleet);
-    let plan = plan_fleet(fleet, node, &ctx.policy, latest.as_ref())?; // no client required
-    let state = match facts {
-        Some(facts) => {
-            let now = Timestamp::now();
-            let runs = &ctx.calibrations;
-            runs.tick(&ctx.client, fleet, latest.as_ref(), facts, &ctx.policy, now) // starts a run
-        }
-        None => CalibrationState::NotAsked,
-    };
+    let (plan, facts) = plan_fleet(fleet, node, &ctx.policy, latest.as_ref())?; // no client required
+    let now = Timestamp::now();
+    let runs = &ctx.calibrations;
+    let state = runs.tick(&ctx.client, fleet, latest.as_ref(), facts, &ctx.policy, now); // starts a run
     let first = latest.is_none() && matches!(state, CalibrationState::Running { .. });
     *calibration = Some((latest, state));
     let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid).await?; // client required
@@ -568,14 +562,16 @@ fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ende
 /// namespace it does not allow) is refused before anything is planned or
 /// applied. The plan is a cluster's: `spec.node`'s per-connection kernel
 /// claims only where the policy can trust them
-/// ([`plan::capacity::plan_in_cluster`]).
+/// ([`plan::capacity::plan_in_cluster`]), with the user bytes of the
+/// fleet's `calibration` when it asks for one. Returns the node facts it
+/// planned on with the plan.
 #[allow(clippy::result_large_err)]
 fn plan_fleet(
     fleet: &ConnectionFleet,
     node: Result<(NodeFacts, NodeSource), PlanError>,
     policy: &Policy,
     calibration: Option<&CalibrationStatus>,
-) -> Result<Plan, Ended> {
+) -> Result<(Plan, (NodeFacts, NodeSource)), Ended> {
     let rejected = |reason, e: PlanError| Ended::Rejected {
         reason,
         message: e.to_string(),
@@ -609,7 +605,7 @@ fn plan_fleet(
     if sized.is_some() {
         plan.user_bytes_source = Some(FigureSource::Calibrated);
     }
-    Ok(plan)
+    Ok((plan, node))
 }
 
 #[allow(clippy::result_large_err)]
@@ -677,7 +673,7 @@ mod tests {
     /// The plan step under `policy`, on `spec.node` as the only node.
     #[allow(clippy::result_large_err)]
     fn plan_step(f: &ConnectionFleet, policy: &Policy) -> Result<Plan, Ended> {
-        plan_fleet(f, plan::nodes::resolve_sourced(&f.spec, None), policy, None)
+        plan_fleet(f, plan::nodes::resolve_sourced(&f.spec, None), policy, None).map(|(p, _)| p)
     }
 
     fn rejected(r: Result<Plan, Ended>) -> (Reason, String) {

@@ -606,7 +606,59 @@ pub fn apply_calibration(
     if let Some(c) = latest {
         status.calibration = Some(c.clone());
     }
-    let sized = match status.plan.as_ref().and_then(|p| p.user_bytes_source) {
+    let (ok, reason, message) = match state {
+        CalibrationState::NotAsked => {
+            status.conditions.retain(|c| c.type_ != CALIBRATED.as_str());
+            return;
+        }
+        CalibrationState::Measured => {
+            let measured = status.calibration.as_ref().map_or_else(String::new, |c| {
+                format!(
+                    "{} ({}) on node {} at {} connections: {} B user + {} B kernel, {} B pod per idle connection; ",
+                    c.image,
+                    c.image_id,
+                    c.node,
+                    c.connections,
+                    c.per_connection.user,
+                    c.per_connection.kernel,
+                    c.per_connection.pod
+                )
+            });
+            let message = format!("{measured}{}", sized_from(status));
+            (Some(true), Reason::Measured, message)
+        }
+        CalibrationState::Running { since, why } => (
+            None,
+            Reason::Calibrating,
+            format!("calibrating since {since} ({why}); {}", sized_from(status)),
+        ),
+        CalibrationState::Failed {
+            reason,
+            message,
+            retry_at,
+        } => (
+            Some(false),
+            *reason,
+            format!(
+                "{message}; {}; next try at {retry_at}, or at once when the image, model, protocol or spec.backend.calibrate changes",
+                sized_from(status)
+            ),
+        ),
+    };
+    set_condition_status(
+        &mut status.conditions,
+        CALIBRATED,
+        ok,
+        reason,
+        message,
+        generation,
+        now,
+    );
+}
+
+/// What the plan in `status` sizes its user bytes from, in words.
+fn sized_from(status: &ConnectionFleetStatus) -> String {
+    match status.plan.as_ref().and_then(|p| p.user_bytes_source) {
         Some(FigureSource::Calibrated) => match &status.calibration {
             Some(c) => format!(
                 "the plan sizes from the calibration of {} ({} B user per connection)",
@@ -618,51 +670,6 @@ pub fn apply_calibration(
             "the plan sizes from spec.backend.userBytesPerConnection".into()
         }
         _ => "the plan sizes from the backend model's figure".into(),
-    };
-    let mut set = |ok: Option<bool>, reason: Reason, message: String| {
-        set_condition_status(
-            &mut status.conditions,
-            CALIBRATED,
-            ok,
-            reason,
-            message,
-            generation,
-            now,
-        )
-    };
-    match state {
-        CalibrationState::NotAsked => status.conditions.retain(|c| c.type_ != CALIBRATED.as_str()),
-        CalibrationState::Measured => {
-            let message = status.calibration.as_ref().map_or_else(String::new, |c| {
-                format!(
-                    "{} ({}) on node {} at {} connections: {} B user + {} B kernel, {} B pod per idle connection; {sized}",
-                    c.image,
-                    c.image_id,
-                    c.node,
-                    c.connections,
-                    c.per_connection.user,
-                    c.per_connection.kernel,
-                    c.per_connection.pod
-                )
-            });
-            set(Some(true), Reason::Measured, message)
-        }
-        CalibrationState::Running { since, why } => set(
-            None,
-            Reason::Calibrating,
-            format!("calibrating since {since} ({why}); {sized}"),
-        ),
-        CalibrationState::Failed {
-            reason,
-            message,
-            retry_at,
-        } => set(
-            Some(false),
-            *reason,
-            format!(
-                "{message}; {sized}; next try at {retry_at}, or at once when the image, model, protocol or spec.backend.calibrate changes"
-            ),
-        ),
     }
 }
 

@@ -157,9 +157,16 @@ pub fn sized_by(
     latest: Option<&CalibrationStatus>,
 ) -> Option<ConnectionFleetSpec> {
     let c = latest.filter(|_| spec.backend.calibrate.is_some())?;
+    Some(with_user_bytes(spec, c.per_connection.user))
+}
+
+/// `spec` with `user` bytes (clamped at 0) as
+/// `backend.userBytesPerConnection`: what a plan from a measurement sizes
+/// from (the operator's, [`sized_by`], and the CLI's "after" plan).
+pub fn with_user_bytes(spec: &ConnectionFleetSpec, user: i64) -> ConnectionFleetSpec {
     let mut sized = spec.clone();
-    sized.backend.user_bytes_per_connection = Some(c.per_connection.user.max(0));
-    Some(sized)
+    sized.backend.user_bytes_per_connection = Some(user.max(0));
+    sized
 }
 
 /// Bytes per connection, in user space, in the kernel (as charged to the
