@@ -55,6 +55,16 @@ pub const RESTARTED_AT_ANNOTATION: &str = "c10m.dev/restarted-at";
 /// `kubectl rollout pause` ([`crate::rollout::pause_order`]).
 pub const PAUSED_BY_FLEET_ANNOTATION: &str = "c10m.dev/paused-by-fleet";
 
+/// Deployment annotation the operator sets while a rollout step drains:
+/// its value is the drain's end (`status.rollout.drainingUntil`, RFC 3339,
+/// whole seconds). The chart's ValidatingAdmissionPolicy
+/// (`charts/c10m-operator/templates/rollout-admission.yaml`) refuses a
+/// change of the pod template while it is there, so a `kubectl rollout
+/// restart` cannot start a second drain on top of the one under way. The
+/// operator removes it as the drain ends, before it applies a template
+/// that waited ([`crate::rollout::drain_mark`], ADR 0011).
+pub const STEP_DRAINING_ANNOTATION: &str = "c10m.dev/step-draining-until";
+
 /// Annotation on the ConnectionFleet CRD: the schema revision it carries
 /// ([`crate::api::CRD_SCHEMA_REVISION`] of the operator that generated it),
 /// a decimal integer. An operator never applies its CRD over one carrying a

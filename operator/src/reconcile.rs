@@ -463,6 +463,20 @@ async fn pipeline(
     let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
     let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
     let waits = rollout::template_waits(previous, Timestamp::now()); // no client required
+    // The drain mark goes as the drain ends, before a template that waited
+    // is applied: the admission policy refuses a template change while the
+    // mark stands, this operator's own included.
+    let lifted = live.as_ref().and_then(|live| {
+        let mark = rollout::drain_mark(previous, live, Timestamp::now()); // no client required
+        rollout::gate_patch(None, mark.filter(Option::is_none))
+    });
+    let live = match lifted {
+        None => live,
+        Some(patch) => match apply::gate(&ctx.client, &ns, &name, &patch).await {
+            Ok(deployment) => Some(deployment),
+            Err(error) => return Err(failed(error)),
+        }, // client required
+    };
     let hold = live.as_ref().filter(|_| waits.is_some());
     let applied = apply::objects(&ctx.client, cache, &ns, &objects, hold).await; // client required
     let (deployment, held) = match applied {
@@ -507,28 +521,32 @@ async fn pipeline(
     let behind = !status::deployment_observed(&deployment);
     let held = waits.filter(|_| held);
     let (rollout, gate) = rollout.hold(gate, min_ready, held, behind, &pace); // no client required
-    let deployment = if min_ready == Some(gate) {
-        deployment
-    } else {
-        let st = rollout.status.as_ref();
-        tracing::info!(
-            fleet = %name,
-            gate,
-            was = ?min_ready,
-            behind,
-            held = ?held,
-            draining_until = ?st.and_then(|s| s.draining_until.as_ref()).map(|t| t.0),
-            old = st.map(|s| s.old_shards),
-            cordoned = st.map(|s| s.cordoned_shards),
-            "rollout gate (minReadySeconds) set"
-        );
-        match apply::min_ready_seconds(&ctx.client, &ns, &name, gate).await {
-            Ok(deployment) => {
-                ctx.gates.lock().unwrap().insert(key, (uid, gate));
-                deployment
-            }
-            Err(error) => return Err(self::failed(&plan, Some(looped), error)),
-        } // client required
+    let mark = rollout::drain_mark(rollout.status.as_ref(), &deployment, Timestamp::now()); // no client required
+    let gate_change = (min_ready != Some(gate)).then_some(gate);
+    let deployment = match rollout::gate_patch(gate_change, mark.clone()) {
+        None => deployment,
+        Some(patch) => {
+            let st = rollout.status.as_ref();
+            tracing::info!(
+                fleet = %name,
+                gate,
+                was = ?min_ready,
+                mark = ?mark,
+                behind,
+                held = ?held,
+                draining_until = ?st.and_then(|s| s.draining_until.as_ref()).map(|t| t.0),
+                old = st.map(|s| s.old_shards),
+                cordoned = st.map(|s| s.cordoned_shards),
+                "rollout gate (minReadySeconds) and drain mark set"
+            );
+            match apply::gate(&ctx.client, &ns, &name, &patch).await {
+                Ok(deployment) => {
+                    ctx.gates.lock().unwrap().insert(key, (uid, gate));
+                    deployment
+                }
+                Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+            } // client required
+        }
     };
     let want_paused = fleet.spec.rollout.paused == Some(true);
     let deployment = match rollout::pause_order(want_paused, &deployment) {

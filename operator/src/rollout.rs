@@ -44,6 +44,7 @@ use crate::api::status::RolloutStatus;
 use crate::autoscale::observe::ready_condition;
 use crate::names::{
     CORDONED_ANNOTATION, PAUSED_BY_FLEET_ANNOTATION, POD_TEMPLATE_HASH, REVISION_ANNOTATION,
+    STEP_DRAINING_ANNOTATION,
 };
 
 /// Milliseconds added to a step's drain (before it is rounded up to whole
@@ -633,6 +634,47 @@ pub fn pause_order(paused: bool, deployment: &Deployment) -> Option<bool> {
     }
 }
 
+/// The change of `deployment`'s [`STEP_DRAINING_ANNOTATION`] that the
+/// rollout `status` asks for at `now`: `Some(Some(until))` to set it to the
+/// end of the drain under way (`drainingUntil`, truncated to the second as
+/// the status stores it), `Some(None)` to remove it (no drain under way),
+/// `None` when the Deployment carries what it should. A fleet with no
+/// rollout never gets one, so nothing is written for it.
+pub fn drain_mark(
+    status: Option<&RolloutStatus>,
+    deployment: &Deployment,
+    now: Timestamp,
+) -> Option<Option<String>> {
+    let want = status
+        .and_then(|s| s.draining_until.as_ref())
+        .map(|t| t.0)
+        .filter(|u| *u > now)
+        .and_then(|u| Timestamp::from_second(u.as_second()).ok())
+        .map(|u| u.to_string());
+    let has = (deployment.metadata.annotations.as_ref())
+        .and_then(|a| a.get(STEP_DRAINING_ANNOTATION))
+        .cloned();
+    (want != has).then_some(want)
+}
+
+/// The merge patch that sets the Deployment's gate (`minReadySeconds`,
+/// when `gate` is given) and its drain mark (when `mark` is given,
+/// [`drain_mark`]; `Some(None)` removes it); `None` when neither changes.
+pub fn gate_patch(gate: Option<i32>, mark: Option<Option<String>>) -> Option<serde_json::Value> {
+    let mut patch = serde_json::Map::new();
+    if let Some(gate) = gate {
+        patch.insert("spec".into(), serde_json::json!({"minReadySeconds": gate}));
+    }
+    if let Some(mark) = mark {
+        let annotations = serde_json::json!({STEP_DRAINING_ANNOTATION: mark});
+        patch.insert(
+            "metadata".into(),
+            serde_json::json!({"annotations": annotations}),
+        );
+    }
+    (!patch.is_empty()).then_some(serde_json::Value::Object(patch))
+}
+
 /// The revision of `rs` ([`REVISION_ANNOTATION`]), `None` without a
 /// readable one.
 pub fn revision(rs: &ReplicaSet) -> Option<i64> {
@@ -1147,6 +1189,63 @@ mod tests {
         };
         let rest = pace(&pods[..4], &late, 13);
         assert_eq!(rest.draining_until, Some(Time(at(12 + 11))));
+    }
+
+    /// The Deployment carries the drain's end while a step drains, to the
+    /// second the status keeps, and loses it once the drain is over; a
+    /// Deployment that carries what it should is not written.
+    #[test]
+    fn the_drain_mark_follows_the_drain_under_way() {
+        let draining = |until: Timestamp| RolloutStatus {
+            draining_until: Some(Time(until)),
+            ..Default::default()
+        };
+        let marked = |mark: Option<&str>| {
+            let mut d = deployment(4, 2, false);
+            if let Some(m) = mark {
+                d.metadata.annotations =
+                    Some([(STEP_DRAINING_ANNOTATION.to_string(), m.to_string())].into());
+            }
+            d
+        };
+        let until = at(20) + SignedDuration::from_millis(300);
+        let unmarked = marked(None);
+        let want = drain_mark(Some(&draining(until)), &unmarked, at(12));
+        assert_eq!(want, Some(Some("2026-12-01T00:00:20Z".to_string())));
+        let done = marked(Some("2026-12-01T00:00:20Z"));
+        assert_eq!(drain_mark(Some(&draining(until)), &done, at(12)), None);
+        assert_eq!(
+            drain_mark(Some(&draining(at(20))), &done, at(20)),
+            Some(None)
+        );
+        assert_eq!(drain_mark(None, &done, at(20)), Some(None));
+        assert_eq!(drain_mark(None, &unmarked, at(20)), None, "no rollout");
+        assert_eq!(
+            drain_mark(Some(&RolloutStatus::default()), &unmarked, at(20)),
+            None
+        );
+    }
+
+    /// One merge patch for the gate and the mark, each only when it
+    /// changes; a removed mark is a null.
+    #[test]
+    fn the_gate_patch_holds_what_changes() {
+        assert_eq!(gate_patch(None, None), None);
+        assert_eq!(
+            gate_patch(Some(7), None),
+            Some(json!({"spec": {"minReadySeconds": 7}}))
+        );
+        assert_eq!(
+            gate_patch(None, Some(None)),
+            Some(json!({"metadata": {"annotations": {STEP_DRAINING_ANNOTATION: null}}}))
+        );
+        assert_eq!(
+            gate_patch(Some(0), Some(Some("2026-12-01T00:00:20Z".into()))),
+            Some(json!({
+                "spec": {"minReadySeconds": 0},
+                "metadata": {"annotations": {STEP_DRAINING_ANNOTATION: "2026-12-01T00:00:20Z"}}
+            }))
+        );
     }
 
     /// `spec.rollout.paused` pauses the Deployment and resumes only a

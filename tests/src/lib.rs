@@ -315,6 +315,51 @@ pub fn ensure_crd() {
     });
 }
 
+/// The chart's rollout admission policy (`templates/rollout-admission.yaml`,
+/// rendered by helm for the namespaced scope of `ns`, so that it binds
+/// only there and never meets a release another test installs): refuses a
+/// fleet Deployment's pod-template change while the operator marks a
+/// rollout step draining. Deleted when dropped.
+pub struct RolloutAdmission(String);
+
+impl RolloutAdmission {
+    /// Renders and applies it. The API server enforces it once its policy
+    /// informer has synced (about a second), well before a fleet rolls.
+    pub fn install(ns: &str) -> Self {
+        let chart = workspace().join("charts/c10m-operator");
+        let watch = format!("watchNamespace={ns}");
+        let (ok, rendered) = helm(&[
+            "template",
+            "c10m",
+            chart.to_str().unwrap(),
+            "-n",
+            ns,
+            "--kube-version",
+            "1.35.4",
+            "--set",
+            &watch,
+            "--set",
+            "crd.manage=false",
+            "--show-only",
+            "templates/rollout-admission.yaml",
+        ]);
+        assert!(ok, "{rendered}");
+        let out = kubectl_with(&["apply", "-f", "-"], Some(&rendered));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        RolloutAdmission(rendered)
+    }
+}
+
+impl Drop for RolloutAdmission {
+    fn drop(&mut self) {
+        let _ = kubectl_with(&["delete", "--ignore-not-found", "-f", "-"], Some(&self.0));
+    }
+}
+
 /// A namespace that is deleted when dropped.
 pub struct Namespace(pub String);
 

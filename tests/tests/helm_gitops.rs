@@ -703,6 +703,8 @@ fn rendered_chart_passes_a_server_side_dry_run_and_its_values_schema() {
         "poddisruptionbudget.policy",
         "role.rbac",
         "rolebinding.rbac",
+        "validatingadmissionpolicy.admissionregistration.k8s.io",
+        "validatingadmissionpolicybinding.admissionregistration.k8s.io",
     ] {
         assert!(
             text.contains(kind) && text.contains("(server dry run)"),

@@ -47,6 +47,10 @@ const FAILOVER_SECONDS: f64 = 18.0;
 /// against 24.0 s, `duration_over_ideal` 1.42 against 1.20).
 static ONE_ROLL_AT_A_TIME: Mutex<()> = Mutex::new(());
 
+/// The Deployment annotation that marks a rollout step draining
+/// (`c10m_operator::names::STEP_DRAINING_ANNOTATION`).
+const STEP_DRAINING: &str = "c10m.dev/step-draining-until";
+
 /// The admin port of the bundled server (spec.server.metricsPort default).
 const ADMIN_PORT: u16 = 9090;
 
@@ -74,6 +78,10 @@ struct Roll {
     /// first step's shards start to drain: the shards of the interrupted
     /// revision turn old as well.
     third_revision: bool,
+    /// A `kubectl rollout restart` of the Deployment while the first
+    /// step's shards drain, which the chart's admission policy refuses
+    /// (the operator marks the drain on the Deployment).
+    restart_mid_drain: bool,
 }
 
 impl Roll {
@@ -89,6 +97,7 @@ impl Roll {
             pause: None,
             failover: false,
             third_revision: false,
+            restart_mid_drain: false,
         }
     }
 
@@ -253,6 +262,7 @@ fn roll(r: &Roll) -> Value {
         "rollout"
     });
     let ns = namespace.0.as_str();
+    let admission = RolloutAdmission::install(ns);
     let mut ops = if r.failover {
         let a = Operator::elected(ns, LEASE, &format!("{ns}-a"));
         let b = Operator::elected(ns, LEASE, &format!("{ns}-b"));
@@ -401,6 +411,8 @@ fn roll(r: &Roll) -> Value {
     // Clients the interrupted revision's shards held when first seen
     // cordoned or draining: the only ones a third revision may move again.
     let mut interrupted_held = 0;
+    // The refusal of a `kubectl rollout restart` mid-drain, once tried.
+    let mut refused: Option<String> = None;
 
     // Completion: every shard updated, the old ones gone, every client held
     // by an updated shard.
@@ -467,6 +479,24 @@ fn roll(r: &Roll) -> Value {
                 }
             }
         }
+        if r.restart_mid_drain && refused.is_none() && stepped {
+            let dep = get_json(ns, "deployment", FLEET)?;
+            let mark = &dep["metadata"]["annotations"][STEP_DRAINING];
+            if mark.is_string() {
+                let out = kubectl_with(&["rollout", "restart", "-n", ns, &deployment], None);
+                let err = String::from_utf8_lossy(&out.stderr).into_owned();
+                assert!(!out.status.success(), "a restart mid-drain went through");
+                assert!(
+                    err.contains(&format!("drains until {}", mark.as_str().unwrap())),
+                    "{err}"
+                );
+                println!(
+                    "FIGURE restart_refused_mid_drain_at_seconds={:.1}",
+                    started.elapsed().as_secs_f64()
+                );
+                refused = Some(err);
+            }
+        }
         if r.failover && killed.is_none() && stepped {
             let leader = ops
                 .iter()
@@ -506,6 +536,17 @@ fn roll(r: &Roll) -> Value {
     }
     stop.store(true, Ordering::Relaxed);
     let report = load.finish();
+    assert!(
+        !r.restart_mid_drain || refused.is_some(),
+        "no drain was ever marked on the Deployment"
+    );
+    // The mark goes with the last drain.
+    let dep = get_json(ns, "deployment", FLEET).expect("deployment");
+    assert!(
+        dep["metadata"]["annotations"][STEP_DRAINING].is_null(),
+        "{}",
+        dep["metadata"]
+    );
 
     // Every client was closed by the server (its old shard's drain, 1001)
     // and is held again at the end, by an updated shard.
@@ -586,6 +627,7 @@ fn roll(r: &Roll) -> Value {
     let ips: Vec<String> = finals.iter().map(|p| p.ip.clone()).collect();
     let name = ns.to_string();
     drop(ops);
+    drop(admission);
     drop(namespace);
     wait_for(
         "the roll's pods and servers gone",
@@ -656,10 +698,16 @@ fn check(fig: &Value) {
     );
 }
 
+/// Issue 22, items 1 and 3: a `kubectl rollout restart`, paused 10 s
+/// through the fleet before its first step. A second `kubectl rollout
+/// restart` while that step drains is refused by the chart's admission
+/// policy, naming the drain's end (ADR 0011), and the roll goes on within
+/// the budget.
 #[test]
 fn a_rollout_restart_moves_every_client_once_within_the_budget() {
     let fig = roll(&Roll {
         pause: Some(Duration::from_secs(10)),
+        restart_mid_drain: true,
         ..Roll::four_shards()
     });
     check(&fig);
@@ -718,9 +766,7 @@ fn bench_rollout() {
         budget: 400,
         drain_rate: 200,
         per_cpu: 2800,
-        pause: None,
-        failover: false,
-        third_revision: false,
+        ..Roll::four_shards()
     });
     let out = workspace().join("target/bench/rollout.json");
     std::fs::create_dir_all(out.parent().unwrap()).unwrap();

@@ -97,19 +97,19 @@ where
     }
 }
 
-/// Sets the Deployment `name`'s `spec.minReadySeconds`, the gate between a
-/// rollout's steps, to `seconds` under [`ROLLOUT_FIELD_MANAGER`] (a merge
-/// patch of that one field; the rendered objects leave it out), and
-/// returns the Deployment as stored.
-pub async fn min_ready_seconds(
+/// Sets the Deployment `name`'s rollout gate and drain mark: `patch` is
+/// [`crate::rollout::gate_patch`]'s (`spec.minReadySeconds`, the gate
+/// between a rollout's steps, which the rendered objects leave out, and the
+/// [`crate::names::STEP_DRAINING_ANNOTATION`]), merged under
+/// [`ROLLOUT_FIELD_MANAGER`]. Returns the Deployment as stored.
+pub async fn gate(
     client: &Client,
     ns: &str,
     name: &str,
-    seconds: i32,
+    patch: &serde_json::Value,
 ) -> Result<Deployment, Error> {
-    let patch = serde_json::json!({"spec": {"minReadySeconds": seconds}});
-    let what = || format!("set minReadySeconds of Deployment {name} to {seconds}");
-    rollout_patch(client, ns, name, &patch, what).await
+    let what = || format!("set the rollout gate of Deployment {name} ({patch})");
+    rollout_patch(client, ns, name, patch, what).await
 }
 
 /// Merge-patches the Deployment `name` with `patch` under
