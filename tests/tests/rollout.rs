@@ -417,7 +417,9 @@ fn roll(r: &Roll) -> Value {
     // Completion: every shard updated, the old ones gone, every client held
     // by an updated shard.
     let timeout = Duration::from_secs(r.shards * step + 120);
+    // Pods at any poll: all of them, and those not Terminating.
     let mut most_pods = 0;
+    let mut most_serving_pods = 0;
     // The leader killed (failover): the survivor and when.
     let mut killed: Option<(usize, Instant)> = None;
     let finals = wait_for("the rollout to complete", timeout, || {
@@ -445,7 +447,12 @@ fn roll(r: &Roll) -> Value {
                 *last = (*last).max(n);
             }
         }
-        most_pods = most_pods.max(fleet_pods(ns, FLEET).len());
+        let listed = fleet_pods(ns, FLEET);
+        most_pods = most_pods.max(listed.len());
+        let serving = listed
+            .iter()
+            .filter(|p| p["metadata"]["deletionTimestamp"].is_null());
+        most_serving_pods = most_serving_pods.max(serving.count());
         let stepped = after.iter().filter(|p| p.hash == old_hash).count() < shards;
         if r.third_revision && restarted_again.is_none() && stepped {
             // Through the fleet, as a user would.
@@ -650,6 +657,7 @@ fn roll(r: &Roll) -> Value {
         "idealSeconds": (r.clients as i64 + interrupted_held) as f64 / r.budget as f64,
         "podStartSeconds": (pod_start.as_secs_f64() * 10.0).round() / 10.0,
         "mostPods": most_pods,
+        "mostServingPods": most_serving_pods,
         "closedWhilePaused": closed_paused,
         "failoverAllowanceSeconds": if r.failover { FAILOVER_SECONDS } else { 0.0 },
     })
@@ -659,9 +667,8 @@ fn roll(r: &Roll) -> Value {
 /// any 1 s window ≤ 1.1 × the budget, 0 clients moved twice (with a third
 /// revision: no more than the interrupted revision's shards held, and none
 /// closed more than once per revision change), 0 reconnects accepted by an
-/// old-revision shard after its cordon, 0 closes while paused, pods (KWOK
-/// removes a deleted pod at once, so Terminating ones never show here)
-/// ≤ shards + surge, and the duration, the pause left out, ≤ 1.3 × the
+/// old-revision shard after its cordon, 0 closes while paused, pods not
+/// Terminating ≤ shards + surge, and the duration, the pause left out, ≤ 1.3 × the
 /// ideal (every client closed at the budget) + 2 pod starts (the first
 /// step's surge, and the last step's, which no drain hides), plus
 /// [`FAILOVER_SECONDS`] when the leader was killed.
@@ -690,7 +697,15 @@ fn check(fig: &Value) {
     );
     assert_eq!(fig["reachedOldRevision"], 0, "{fig}");
     assert_eq!(fig["closedWhilePaused"], 0, "{fig}");
-    assert!(f("mostPods") <= f("shards") + f("surge"), "pods: {fig}");
+    // Terminating pods are not bounded: the Deployment controller does not
+    // count them (kubernetes#95498) and creates the next step's surge as
+    // soon as it removes old pods. On KWOK a deleted pod goes within a
+    // moment, yet a poll in that moment lists it: 1 of 6 third-revision
+    // runs on 2026-12-05 saw 7 pods (ADR 0011). `mostPods` reports them.
+    assert!(
+        f("mostServingPods") <= f("shards") + f("surge"),
+        "pods: {fig}"
+    );
     let bound = 1.3 * ideal + 2.0 * f("podStartSeconds") + f("failoverAllowanceSeconds");
     assert!(
         f("durationSeconds") <= bound,
