@@ -462,20 +462,24 @@ async fn pipeline(
     let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
     let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
     let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
-    let waits = rollout::template_waits(previous, Timestamp::now()); // no client required
-    // The drain mark goes as the drain ends, before a template that waited
-    // is applied: the admission policy refuses a template change while the
-    // mark stands, this operator's own included.
-    let lifted = live.as_ref().and_then(|live| {
-        let mark = rollout::drain_mark(previous, live, Timestamp::now()); // no client required
-        rollout::gate_patch(None, mark.filter(Option::is_none))
-    });
-    let live = match lifted {
-        None => live,
-        Some(patch) => match apply::gate(&ctx.client, &ns, &name, &patch).await {
+    let now = Timestamp::now();
+    let waits = rollout::template_waits(previous, now); // no client required
+    // A template about to be applied as a drain ends goes in only once the
+    // drain mark is gone: the admission policy refuses a template change
+    // while the mark stands, this operator's own included. Otherwise the
+    // mark goes with the gate, below.
+    let lift = live.as_ref().is_some_and(|live| {
+        rollout::drain_mark(previous, live, now) == Some(None)
+            && cache::template_change(live, &objects.deployment).is_some()
+    }); // no client required
+    let live = if lift {
+        let patch = rollout::gate_patch(None, Some(None)).expect("a mark to remove");
+        match apply::gate(&ctx.client, &ns, &name, &patch).await {
             Ok(deployment) => Some(deployment),
             Err(error) => return Err(failed(error)),
-        }, // client required
+        } // client required
+    } else {
+        live
     };
     let hold = live.as_ref().filter(|_| waits.is_some());
     let applied = apply::objects(&ctx.client, cache, &ns, &objects, hold).await; // client required

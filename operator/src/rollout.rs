@@ -328,13 +328,13 @@ impl Rollout {
             // parts drain, until the later end.
             Some(p) => {
                 let end = now + SignedDuration::from_secs(p.step_seconds.max(0));
-                let draining = (p.draining_until.as_ref())
+                let under_way = (p.draining_until.as_ref())
                     .map(|t| t.0)
                     .filter(|u| *u > now);
                 (
                     Some(now),
-                    Some(draining.map_or(end, |u| u.max(end))),
-                    removed + draining.map_or(0, |_| p.draining_shards),
+                    Some(under_way.map_or(end, |u| u.max(end))),
+                    removed + under_way.map_or(0, |_| p.draining_shards),
                 )
             }
             None => previous.map_or((None, None, 0), |p| {
