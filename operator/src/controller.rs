@@ -643,7 +643,13 @@ pub async fn run_controller(
         })
         .applied_objects();
     let node_profiles = node_events.predicate_filter(node_profile_hash, PredicateConfig::default());
+    // A Service apply that failed after its reconcile stopped waiting for it
+    // (reconcile::apply::ServiceApplies) is reported by the next reconcile.
+    let services_ended = ctx
+        .service_applies_ended()
+        .expect("a new context's channel is taken once");
     controller
+        .reconcile_on(services_ended)
         .watches_stream(node_profiles, move |_node| {
             profiles.changed();
             store

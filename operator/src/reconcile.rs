@@ -247,7 +247,19 @@ pub struct Context {
     versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, observe::Known>>,
     /// The calibrations this process runs (`spec.backend.calibrate`).
     calibrations: calibrate::Runs,
+    /// The fleets' Service applies ([`apply::ServiceApplies`]).
+    services: apply::ServiceApplies,
+    /// Where [`Context::services`] sends the fleets whose Service apply
+    /// failed unwaited-for, until the controller takes it
+    /// ([`Context::service_applies_ended`]).
+    services_ended: Mutex<Option<ServiceAppliesEnded>>,
 }
+
+/// Fleets whose Service apply failed after their reconcile stopped
+/// waiting for it ([`apply::ServiceApplies`]): a stream for the
+/// controller's `reconcile_on`.
+pub type ServiceAppliesEnded =
+    futures::channel::mpsc::UnboundedReceiver<ObjectRef<ConnectionFleet>>;
 
 impl Context {
     /// A context for `client` under the default [`Policy`] (see
@@ -263,6 +275,7 @@ impl Context {
             controller: FIELD_MANAGER.into(),
             instance,
         };
+        let (services, services_ended) = apply::ServiceApplies::new();
         Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
@@ -277,7 +290,15 @@ impl Context {
             gates: Mutex::default(),
             versions: Mutex::default(),
             calibrations: calibrate::Runs::default(),
+            services,
+            services_ended: Mutex::new(Some(services_ended)),
         }
+    }
+
+    /// The fleets to reconcile again as their Service apply fails
+    /// ([`apply::ServiceApplies`]); `None` once taken.
+    pub fn service_applies_ended(&self) -> Option<ServiceAppliesEnded> {
+        self.services_ended.lock().unwrap().take()
     }
 
     /// This context reading nodes and the fleets' objects from `cache`.
@@ -482,7 +503,9 @@ async fn pipeline(
         live
     };
     let hold = live.as_ref().filter(|_| waits.is_some());
-    let applied = apply::objects(&ctx.client, cache, &ns, &objects, hold).await; // client required
+    let key = ObjectRef::from_obj(fleet);
+    let services = &ctx.services;
+    let applied = apply::objects(&ctx.client, cache, services, &key, &objects, hold).await; // client required
     let (deployment, held) = match applied {
         Ok(applied) => applied,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),
@@ -511,7 +534,6 @@ async fn pipeline(
     // behind the last gate written, and a gate written back to what a stale
     // copy shows would be skipped. Keyed by the Deployment's uid: a fleet
     // deleted and created again starts from what is stored.
-    let key = ObjectRef::from_obj(fleet);
     let uid = deployment.metadata.uid.clone().unwrap_or_default();
     let stored = deployment.spec.as_ref().and_then(|s| s.min_ready_seconds);
     let written = ctx.gates.lock().unwrap().get(&key).cloned();

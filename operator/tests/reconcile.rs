@@ -17,13 +17,17 @@ use apiserver::{ApiServer, Call, Reply};
 use c10m_operator::api::ConnectionFleet;
 use c10m_operator::policy::Policy;
 use c10m_operator::reason::Reason;
+use c10m_operator::reconcile::apply::SERVICE_WAIT;
 use c10m_operator::reconcile::report::ROLLOUT_RECHECK;
 use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
 use c10m_operator::telemetry::Metrics;
+use futures::StreamExt;
 use http::Method;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
 use serde_json::{Value, json};
+use tokio::sync::watch;
 
 const NS: &str = "prod";
 const NAME: &str = "edge";
@@ -78,6 +82,10 @@ struct Cluster {
     ready: bool,
     /// The Deployment's apply fails with this `Status` (code, message).
     fail_deployment_apply: Option<(u16, String)>,
+    /// The Service's apply fails with this `Status` (code, message).
+    fail_service_apply: Option<(u16, String)>,
+    /// The Service's apply is answered only once this turns `true`.
+    hold_service_apply: Option<watch::Receiver<bool>>,
 }
 
 impl Cluster {
@@ -138,6 +146,19 @@ impl Cluster {
                 };
                 obj["spec"]["minReadySeconds"] = body["spec"]["minReadySeconds"].clone();
                 Reply::ok(obj.clone())
+            }
+            // Server-side apply of the Service, slow or failing when asked.
+            Method::PATCH if path == SERVICE && self.hold_service_apply.is_some() => {
+                let gate = self.hold_service_apply.clone().unwrap();
+                let mut fast = self.clone();
+                fast.hold_service_apply = None;
+                let reply = fast.answer(call);
+                self.objects = fast.objects;
+                reply.held_until(gate)
+            }
+            Method::PATCH if path == SERVICE && self.fail_service_apply.is_some() => {
+                let (code, message) = self.fail_service_apply.clone().unwrap();
+                Reply::failure(code, "Invalid", message)
             }
             // Server-side apply of an owned object.
             Method::PATCH => {
@@ -213,6 +234,17 @@ impl Harness {
     fn stored_fleet(&self) -> ConnectionFleet {
         self.cluster.lock().unwrap().fleet()
     }
+}
+
+/// `calls` hold one status write, and it says `Degraded` for `reason` with
+/// `message`.
+fn assert_one_degraded_write(calls: &[Call], reason: &str, message: &str) {
+    let written = status_writes(calls);
+    assert_eq!(written.len(), 1, "{calls:#?}");
+    assert_eq!(
+        condition(&written[0], "Degraded"),
+        ("True".into(), reason.into(), message.into())
+    );
 }
 
 /// Bodies of the status writes among `calls` (the `status` they apply).
@@ -709,15 +741,10 @@ async fn an_apply_error_is_reported_once_and_retried_with_growing_backoff() {
         Action::requeue(Duration::from_secs(2))
     );
     let calls = h.api.take();
-    let written = status_writes(&calls);
-    assert_eq!(written.len(), 1, "{calls:#?}");
-    assert_eq!(
-        condition(&written[0], "Degraded"),
-        (
-            "True".into(),
-            "ApplyFailed".into(),
-            "apply Deployment edge: the server is shutting down (503)".into()
-        )
+    assert_one_degraded_write(
+        &calls,
+        "ApplyFailed",
+        "apply Deployment edge: the server is shutting down (503)",
     );
     // Within kube's event cache TTL (6 min) the Recorder folds an event
     // with the same type, reason, action and object into the first one's
@@ -1018,4 +1045,87 @@ async fn a_template_change_mid_drain_waits_for_the_drain_to_end() {
         vec![json!("c10m.local/server:next")],
         "{calls:#?}"
     );
+}
+
+/// Issue 23: a Service apply the API server is slow to answer (it creates
+/// Services one at a time) holds no reconcile past `SERVICE_WAIT`: the
+/// reconcile applies the Deployment, reports and ends. As the apply ends
+/// the fleet is sent for another reconcile, which takes its outcome (here
+/// a failure, reported as any failed apply) without applying again; the
+/// retry after the backoff applies anew.
+#[tokio::test(start_paused = true)]
+async fn a_slow_service_apply_holds_no_reconcile_and_its_end_is_reported() {
+    let cached = fleet(feasible());
+    let (open, gate) = watch::channel(false);
+    let message = "Service \"edge\" is invalid: spec.ports[0].nodePort: Invalid value: 30080: provided port is already allocated";
+    let h = Harness::start(Cluster {
+        ready: true,
+        fail_service_apply: Some((422, message.into())),
+        hold_service_apply: Some(gate),
+        ..Cluster::with_fleet(&cached)
+    });
+    let mut ended = h.ctx.service_applies_ended().expect("not taken yet");
+
+    let started = tokio::time::Instant::now();
+    let action = h.reconcile(&cached).await.expect("the reconcile ends");
+    assert_eq!(
+        started.elapsed(),
+        SERVICE_WAIT,
+        "it waited for the Service that long"
+    );
+    assert_eq!(action, Action::requeue(RESYNC));
+    let calls = h.api.take();
+    let applied = |path| {
+        writes_to(&calls, path)
+            .iter()
+            .filter(|c| c.query().contains("force=true"))
+            .count()
+    };
+    assert_eq!(
+        (applied(DEPLOYMENT), applied(SERVICE)),
+        (1, 1),
+        "{calls:#?}"
+    );
+    assert_eq!(condition(&status_writes(&calls)[0], "Ready").0, "True");
+    assert!(ended.try_recv().is_err(), "no apply has ended yet");
+
+    // A reconcile while it runs starts no second apply.
+    let again = h
+        .reconcile(&h.stored_fleet())
+        .await
+        .expect("the reconcile ends");
+    assert_eq!(again, Action::requeue(RESYNC));
+    assert_eq!(writes_to(&h.api.take(), SERVICE).len(), 0);
+
+    open.send(true).unwrap();
+    let sent = ended
+        .next()
+        .await
+        .expect("the fleet is sent as the apply ends");
+    assert_eq!(sent, ObjectRef::from_obj(&cached));
+    let err = h
+        .reconcile(&h.stored_fleet())
+        .await
+        .expect_err("the apply failed");
+    assert!(matches!(err, Error::Apply { .. }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        format!("apply Service edge: {message} (422)")
+    );
+    let calls = h.api.take();
+    assert_eq!(
+        writes_to(&calls, SERVICE).len(),
+        0,
+        "its outcome taken, not applied again"
+    );
+    let reported = format!("apply Service edge: {message} (422)");
+    assert_one_degraded_write(&calls, "ApplyFailed", &reported);
+
+    // Fixed: the retry applies the Service again, answered at once.
+    h.cluster.lock().unwrap().fail_service_apply = None;
+    h.reconcile(&h.stored_fleet()).await.expect("applied");
+    let calls = h.api.take();
+    assert_eq!(writes_to(&calls, SERVICE).len(), 1, "{calls:#?}");
+    assert_eq!(condition(&status_writes(&calls)[0], "Degraded").0, "False");
+    assert!(ended.try_recv().is_err(), "an apply waited for is not sent");
 }

@@ -1,26 +1,34 @@
 //! Apply (client required): the fleet's admin Secret and the rendered
 //! objects, server-side applied with the operator's one field manager.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU8, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use c10m_wire::admin::TOKEN_KEY;
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 
 use super::Error;
 use super::cache::{self, Cache};
+use crate::api::ConnectionFleet;
 use crate::names::{
     FIELD_MANAGER, PAUSED_BY_FLEET_ANNOTATION, ROLLOUT_FIELD_MANAGER, labels, secret_name,
 };
 use crate::render::Rendered;
 
+/// `obj` server-side applied (forced, under [`FIELD_MANAGER`]), as stored.
 async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
 where
     K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
@@ -40,7 +48,10 @@ where
 /// that order is the error) and returns the Deployment as stored,
 /// and whether its template was held back. One the `cache` holds already
 /// as rendered ([`cache::unchanged`]) is not applied: its stored copy
-/// stands for it. With `hold_template` (a rollout's step drains,
+/// stands for it. The Service's apply is the `services`' to run
+/// ([`ServiceApplies::ensure`]): it is waited for at most
+/// [`SERVICE_WAIT`], and one still under way after it goes on without this
+/// reconcile. With `hold_template` (a rollout's step drains,
 /// [`crate::rollout::template_waits`]: the Deployment as stored, read
 /// once by the reconcile, [`super::observe::owned`]) a Deployment
 /// whose pod template would change ([`cache::template_change`]) is not
@@ -49,10 +60,12 @@ where
 pub async fn objects(
     client: &Client,
     cache: Option<&Cache>,
-    ns: &str,
+    services: &ServiceApplies,
+    fleet: &ObjectRef<ConnectionFleet>,
     objects: &Rendered,
     hold_template: Option<&Deployment>,
 ) -> Result<(Deployment, bool), Error> {
+    let ns = fleet.namespace.as_deref().unwrap_or_default();
     let want = &objects.deployment;
     let held = hold_template.filter(|live| cache::template_change(live, want).is_some());
     let deployment = async {
@@ -66,13 +79,186 @@ pub async fn objects(
     };
     let (deployment, service, pdb) = futures::join!(
         deployment,
-        ensure(client, ns, cache.map(|c| &c.services), &objects.service),
+        services.ensure(client, cache, fleet, &objects.service),
         ensure(client, ns, cache.map(|c| &c.pdbs), &objects.pdb),
     );
     let deployment = deployment?;
     service?;
     pdb?;
     Ok(deployment)
+}
+
+/// Longest a reconcile waits for its fleet's Service apply
+/// ([`ServiceApplies::ensure`]). The API server allocates a new Service's
+/// ClusterIP under one lock for all Services, held over the IPAddress
+/// object's create (`MetaAllocator::AllocateNextService`,
+/// `pkg/registry/core/service/ipallocator/cidrallocator.go`). On `make
+/// bench-scale`'s plane an allocation took 162 ms
+/// (`kube_apiserver_clusterip_allocator_allocation_duration_seconds`), so
+/// about 6 Services were created a second, and a ramp of 20 fleets a
+/// second queued their applies: 15 to 30 s each, 17.4 s on average
+/// (`apiserver_request_duration_seconds`, APPLY services). Each reconcile
+/// waiting on one held one of the controller's
+/// [`crate::controller::CONCURRENCY`] turns, so the other fleets waited for
+/// a turn (issue 23, `docs/scale.md`). An API server that creates a Service
+/// in tens of milliseconds is waited for, as before.
+pub const SERVICE_WAIT: Duration = Duration::from_secs(1);
+
+/// Service applies in flight at once ([`ServiceApplies`]); the others wait
+/// in this process, not on a connection each (HTTP/1.1: a request in
+/// flight holds a connection). The API server creates Services one at a
+/// time ([`SERVICE_WAIT`]): more in flight would only queue there.
+pub const SERVICE_APPLIES: usize = 16;
+
+/// The fleets' Service applies, run apart from the reconciles that start
+/// them so that a slow one holds no reconcile's turn ([`SERVICE_WAIT`]).
+/// At most one runs per fleet. A reconcile that stopped waiting leaves
+/// it running. If it fails, the fleet is sent on the channel
+/// [`ServiceApplies::new`] returns (the controller's `reconcile_on`), and
+/// that reconcile reports the failure as any failed apply (retried with
+/// the reconcile's backoff); a success is the Service watch's and the
+/// cache's to show. Dropping this aborts what still runs.
+pub struct ServiceApplies {
+    running: Mutex<HashMap<ObjectRef<ConnectionFleet>, Running>>,
+    slots: Arc<Semaphore>,
+    ended: UnboundedSender<ObjectRef<ConnectionFleet>>,
+}
+
+/// One fleet's Service apply under way, for a reconcile to come.
+struct Running {
+    /// The Service as rendered when it started.
+    want: Service,
+    /// [`WAITED`], [`DETACHED`] or [`ENDED`].
+    state: Arc<AtomicU8>,
+    task: JoinHandle<Result<Service, Error>>,
+}
+
+/// A reconcile waits for the apply's end.
+const WAITED: u8 = 0;
+/// No reconcile waits: the apply's end is sent on the channel.
+const DETACHED: u8 = 1;
+/// The apply has ended.
+const ENDED: u8 = 2;
+
+impl ServiceApplies {
+    /// No apply under way, and the receiving end of the channel on which
+    /// fleets whose apply failed unwaited-for are sent.
+    pub fn new() -> (Self, UnboundedReceiver<ObjectRef<ConnectionFleet>>) {
+        let (ended, rx) = futures::channel::mpsc::unbounded();
+        let applies = ServiceApplies {
+            running: Mutex::default(),
+            slots: Arc::new(Semaphore::new(SERVICE_APPLIES)),
+            ended,
+        };
+        (applies, rx)
+    }
+
+    /// `want`, the Service of `fleet`, as stored (`Some`), or `None` while
+    /// its apply goes on without this reconcile. The `cache`'s copy when it
+    /// holds `want` already. Else, while an apply for the fleet is under
+    /// way, `None`: its failure, or the Service watch on its success,
+    /// brings the next reconcile. Else the outcome of the last apply, when
+    /// it was for this render and ended unwaited-for (the cache may not
+    /// show a success yet); else the outcome of an apply started now,
+    /// waited for at most [`SERVICE_WAIT`]. Errors: the apply's
+    /// ([`Error::Apply`]).
+    pub async fn ensure(
+        &self,
+        client: &Client,
+        cache: Option<&Cache>,
+        fleet: &ObjectRef<ConnectionFleet>,
+        want: &Service,
+    ) -> Result<Option<Service>, Error> {
+        let ns = fleet.namespace.as_deref().unwrap_or_default();
+        let stored = cache.and_then(|c| cache::unchanged(&c.services, ns, want));
+        let ended = {
+            let mut running = self.running.lock().unwrap();
+            match running.remove(fleet) {
+                Some(run) if !run.task.is_finished() => {
+                    running.insert(fleet.clone(), run);
+                    return Ok(stored);
+                }
+                ended => ended,
+            }
+        };
+        if stored.is_some() {
+            return Ok(stored);
+        }
+        if let Some(run) = ended {
+            let outcome = joined(run.task.await);
+            if run.want == *want {
+                // The cache may not show its success yet.
+                return outcome.map(Some);
+            }
+        }
+        let mut run = self.start(client, fleet, want);
+        match tokio::time::timeout(SERVICE_WAIT, &mut run.task).await {
+            Ok(outcome) => joined(outcome).map(Some),
+            Err(_) => {
+                let detached = run.state.compare_exchange(WAITED, DETACHED, SeqCst, SeqCst);
+                if detached.is_err() {
+                    // It ended as the wait did.
+                    return joined(run.task.await).map(Some);
+                }
+                self.running.lock().unwrap().insert(fleet.clone(), run);
+                Ok(None)
+            }
+        }
+    }
+
+    /// An apply of `want` started for `fleet`: it waits for one of the
+    /// [`SERVICE_APPLIES`] slots, and sends the fleet when it fails with
+    /// no reconcile waiting.
+    fn start(
+        &self,
+        client: &Client,
+        fleet: &ObjectRef<ConnectionFleet>,
+        want: &Service,
+    ) -> Running {
+        let state = Arc::new(AtomicU8::new(WAITED));
+        let api = Api::namespaced(
+            client.clone(),
+            fleet.namespace.as_deref().unwrap_or_default(),
+        );
+        let (slots, ended) = (self.slots.clone(), self.ended.clone());
+        let (end, key, obj) = (state.clone(), fleet.clone(), want.clone());
+        let task = tokio::spawn(async move {
+            let _slot = slots
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed");
+            let outcome = apply(&api, &obj).await;
+            if end.swap(ENDED, SeqCst) == DETACHED && outcome.is_err() {
+                // The receiver is gone only when the controller stopped.
+                let _ = ended.unbounded_send(key);
+            }
+            outcome
+        });
+        Running {
+            want: want.clone(),
+            state,
+            task,
+        }
+    }
+}
+
+impl Drop for ServiceApplies {
+    fn drop(&mut self) {
+        for run in self.running.get_mut().unwrap().values() {
+            run.task.abort();
+        }
+    }
+}
+
+/// The outcome of an apply task that ended: its panic goes on.
+fn joined(
+    outcome: Result<Result<Service, Error>, tokio::task::JoinError>,
+) -> Result<Service, Error> {
+    match outcome {
+        Ok(outcome) => outcome,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => unreachable!("an apply task is aborted only with its owner: {e}"),
+    }
 }
 
 /// `want` as stored: the `store`'s copy when it holds `want` already, else

@@ -14,6 +14,7 @@ use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use serde::Serialize;
 use serde_json::{Value, json};
+use tokio::sync::watch;
 
 /// One request the operator sent.
 #[derive(Clone, Debug)]
@@ -43,13 +44,16 @@ impl Call {
     }
 }
 
-/// An answer to one call: a status code and a JSON body.
+/// An answer to one call: a status code and a JSON body, sent at once or
+/// when a test lets it go ([`Reply::held_until`]).
 #[derive(Clone, Debug)]
 pub struct Reply {
     /// HTTP status.
     pub status: StatusCode,
     /// JSON body.
     pub body: Value,
+    /// Sent once this turns `true`; the other calls are answered meanwhile.
+    pub held: Option<watch::Receiver<bool>>,
 }
 
 impl Reply {
@@ -58,6 +62,15 @@ impl Reply {
         Reply {
             status: StatusCode::OK,
             body: serde_json::to_value(body).expect("a JSON body"),
+            held: None,
+        }
+    }
+
+    /// This reply, sent only once `gate` turns `true` (a slow API server).
+    pub fn held_until(self, gate: watch::Receiver<bool>) -> Reply {
+        Reply {
+            held: Some(gate),
+            ..self
         }
     }
 
@@ -82,6 +95,7 @@ impl Reply {
                 "reason": reason,
                 "code": code,
             }),
+            held: None,
         }
     }
 
@@ -142,7 +156,16 @@ impl ApiServer {
                     .header("content-type", "application/json")
                     .body(Body::from(serde_json::to_vec(&reply.body).unwrap()))
                     .unwrap();
-                send.send_response(response);
+                match reply.held {
+                    None => send.send_response(response),
+                    Some(mut gate) => {
+                        tokio::spawn(async move {
+                            // A dropped gate lets the reply go too.
+                            let _ = gate.wait_for(|open| *open).await;
+                            send.send_response(response);
+                        });
+                    }
+                }
             }
         });
         (kube::Client::new(service, "default"), ApiServer { calls })
