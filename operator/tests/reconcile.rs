@@ -101,8 +101,18 @@ impl Cluster {
         serde_json::from_value(self.objects[FLEET].clone()).unwrap()
     }
 
-    /// Answers one call the way the API server would for these objects.
+    /// Answers one call the way the API server would for these objects;
+    /// the Service's apply once [`Cluster::hold_service_apply`] lets it go.
     fn answer(&mut self, call: &Call) -> Reply {
+        let reply = self.answer_now(call);
+        match &self.hold_service_apply {
+            Some(gate) if call.is(Method::PATCH, SERVICE) => reply.held_until(gate.clone()),
+            _ => reply,
+        }
+    }
+
+    /// [`Cluster::answer`], at once.
+    fn answer_now(&mut self, call: &Call) -> Reply {
         let path = call.path().to_string();
         let body = call.body.clone().unwrap_or(Value::Null);
         match call.method {
@@ -147,25 +157,17 @@ impl Cluster {
                 obj["spec"]["minReadySeconds"] = body["spec"]["minReadySeconds"].clone();
                 Reply::ok(obj.clone())
             }
-            // Server-side apply of the Service, slow or failing when asked.
-            Method::PATCH if path == SERVICE && self.hold_service_apply.is_some() => {
-                let gate = self.hold_service_apply.clone().unwrap();
-                let mut fast = self.clone();
-                fast.hold_service_apply = None;
-                let reply = fast.answer(call);
-                self.objects = fast.objects;
-                reply.held_until(gate)
-            }
-            Method::PATCH if path == SERVICE && self.fail_service_apply.is_some() => {
-                let (code, message) = self.fail_service_apply.clone().unwrap();
-                Reply::failure(code, "Invalid", message)
-            }
             // Server-side apply of an owned object.
             Method::PATCH => {
                 if path == DEPLOYMENT
                     && let Some((code, message)) = &self.fail_deployment_apply
                 {
                     return Reply::failure(*code, "InternalError", message.clone());
+                }
+                if path == SERVICE
+                    && let Some((code, message)) = &self.fail_service_apply
+                {
+                    return Reply::failure(*code, "Invalid", message.clone());
                 }
                 let mut obj = body;
                 if path == DEPLOYMENT {

@@ -130,7 +130,7 @@ struct Running {
     want: Service,
     /// [`WAITED`], [`DETACHED`] or [`ENDED`].
     state: Arc<AtomicU8>,
-    task: JoinHandle<Result<Service, Error>>,
+    task: JoinHandle<Result<(), Error>>,
 }
 
 /// A reconcile waits for the apply's end.
@@ -153,55 +153,54 @@ impl ServiceApplies {
         (applies, rx)
     }
 
-    /// `want`, the Service of `fleet`, as stored (`Some`), or `None` while
-    /// its apply goes on without this reconcile. The `cache`'s copy when it
-    /// holds `want` already. Else, while an apply for the fleet is under
-    /// way, `None`: its failure, or the Service watch on its success,
-    /// brings the next reconcile. Else the outcome of the last apply, when
-    /// it was for this render and ended unwaited-for (the cache may not
-    /// show a success yet); else the outcome of an apply started now,
-    /// waited for at most [`SERVICE_WAIT`]. Errors: the apply's
-    /// ([`Error::Apply`]).
+    /// Sees that `want`, the Service of `fleet`, is applied. Nothing to do
+    /// when the `cache` holds `want` already, or while an apply for the
+    /// fleet is under way (its failure, or the Service watch on its
+    /// success, brings the next reconcile). Else the outcome of the last
+    /// apply, when it was for this render and ended unwaited-for (the
+    /// cache may not show a success yet); else the outcome of an apply
+    /// started now, waited for at most [`SERVICE_WAIT`] (`Ok` when it goes
+    /// on without this reconcile). Errors: the apply's ([`Error::Apply`]).
     pub async fn ensure(
         &self,
         client: &Client,
         cache: Option<&Cache>,
         fleet: &ObjectRef<ConnectionFleet>,
         want: &Service,
-    ) -> Result<Option<Service>, Error> {
+    ) -> Result<(), Error> {
         let ns = fleet.namespace.as_deref().unwrap_or_default();
-        let stored = cache.and_then(|c| cache::unchanged(&c.services, ns, want));
-        let ended = {
+        let stored = cache.is_some_and(|c| cache::unchanged(&c.services, ns, want).is_some());
+        let last = {
             let mut running = self.running.lock().unwrap();
             match running.remove(fleet) {
                 Some(run) if !run.task.is_finished() => {
                     running.insert(fleet.clone(), run);
-                    return Ok(stored);
+                    return Ok(());
                 }
-                ended => ended,
+                last => last,
             }
         };
-        if stored.is_some() {
-            return Ok(stored);
+        if stored {
+            return Ok(());
         }
-        if let Some(run) = ended {
+        if let Some(run) = last {
             let outcome = joined(run.task.await);
             if run.want == *want {
                 // The cache may not show its success yet.
-                return outcome.map(Some);
+                return outcome;
             }
         }
         let mut run = self.start(client, fleet, want);
         match tokio::time::timeout(SERVICE_WAIT, &mut run.task).await {
-            Ok(outcome) => joined(outcome).map(Some),
+            Ok(outcome) => joined(outcome),
             Err(_) => {
                 let detached = run.state.compare_exchange(WAITED, DETACHED, SeqCst, SeqCst);
                 if detached.is_err() {
                     // It ended as the wait did.
-                    return joined(run.task.await).map(Some);
+                    return joined(run.task.await);
                 }
                 self.running.lock().unwrap().insert(fleet.clone(), run);
-                Ok(None)
+                Ok(())
             }
         }
     }
@@ -227,7 +226,7 @@ impl ServiceApplies {
                 .acquire_owned()
                 .await
                 .expect("the semaphore is never closed");
-            let outcome = apply(&api, &obj).await;
+            let outcome = apply(&api, &obj).await.map(drop);
             if end.swap(ENDED, SeqCst) == DETACHED && outcome.is_err() {
                 // The receiver is gone only when the controller stopped.
                 let _ = ended.unbounded_send(key);
@@ -251,9 +250,7 @@ impl Drop for ServiceApplies {
 }
 
 /// The outcome of an apply task that ended: its panic goes on.
-fn joined(
-    outcome: Result<Result<Service, Error>, tokio::task::JoinError>,
-) -> Result<Service, Error> {
+fn joined(outcome: Result<Result<(), Error>, tokio::task::JoinError>) -> Result<(), Error> {
     match outcome {
         Ok(outcome) => outcome,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
