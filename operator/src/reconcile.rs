@@ -22,10 +22,13 @@ pub mod observe;
 pub mod report;
 
 use std::collections::HashMap;
+use std::pin::pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::Action;
@@ -38,7 +41,7 @@ use crate::api::status::{CalibrationStatus, FigureSource, NodeSource, RolloutSta
 use crate::api::{ConnectionFleet, Plan, SysctlMode};
 use crate::autoscale;
 use crate::calibrate;
-use crate::names::FIELD_MANAGER;
+use crate::names::{FIELD_MANAGER, secret_name};
 use crate::plan::calibration::State as CalibrationState;
 use crate::plan::{self, NodeFacts, PlanError};
 use crate::policy::{Policy, Refusal};
@@ -467,48 +470,61 @@ async fn pipeline(
     let state = runs.tick(&ctx.client, fleet, latest.as_ref(), facts, &ctx.policy, now); // starts a run
     let first = latest.is_none() && matches!(state, CalibrationState::Running { .. });
     *calibration = Some((latest, state));
-    let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid).await?; // client required
+    // The admin Secret is read beside the other objects; a new fleet's is
+    // created then instead (one round trip less before its Deployment; it
+    // is the fleet's own even when another object blocks the fleet). The
+    // token is needed before the applies only by the metrics loop's shed
+    // orders: a fleet whose Deployment the cache holds and whose loop does
+    // not run reads its Secret while it applies (one round trip less
+    // before a re-plan's Deployment; a Secret refused is then reported
+    // after the apply of objects that exist already).
+    let new = observe::new_fleet(cache, fleet);
+    let apply_first = cache.is_some() && !new && !autoscale::decide::runs(&fleet.spec);
+    let secret = async {
+        match new {
+            true => apply::create_admin_secret(&ctx.client, &ns, &name, owner.clone())
+                .await
+                .map(Some),
+            false => apply::read_admin_secret(&ctx.client, &ns, &name).await,
+        }
+    };
+    let mut secret = pin!(futures::future::maybe_done(secret));
+    let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid);
+    let owned = match apply_first {
+        true => owned.await,
+        false => futures::join!(owned, secret.as_mut()).0,
+    }?; // client required
     reject_conflict(owned.conflict)?; // no client required
     let live = owned.deployment;
     if first && live.is_none() {
         // A new fleet's first shards are planned from the measurement.
         return Ok(Ended::Calibrating { plan });
     }
-    let current = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
-    let failed = |error| failed(&plan, None, error);
-    let token = apply::admin_secret(&ctx.client, &ns, &name, owner.clone(), owned.secret)
-        .await
-        .map_err(failed)?; // client required
-    let looped = metrics_loop(ctx, fleet, &plan, current, &token).await; // client required
-    let looped = looped.map_err(|e| self::failed(&plan, None, e))?;
-    let objects = render::render(fleet, &plan, owner, looped.replicas, &ctx.policy); // no client required
     let previous = fleet.status.as_ref().and_then(|s| s.rollout.as_ref());
-    let now = Timestamp::now();
-    let waits = rollout::template_waits(previous, now); // no client required
-    // A template about to be applied as a drain ends goes in only once the
-    // drain mark is gone: the admission policy refuses a template change
-    // while the mark stands, this operator's own included. Otherwise the
-    // mark goes with the gate, below.
-    let lift = live.as_ref().is_some_and(|live| {
-        rollout::drain_mark(previous, live, now) == Some(None)
-            && cache::template_change(live, &objects.deployment).is_some()
-    }); // no client required
-    let live = if lift {
-        let patch = rollout::gate_patch(None, Some(None)).expect("a mark to remove");
-        match apply::gate(&ctx.client, &ns, &name, &patch).await {
-            Ok(deployment) => Some(deployment),
-            Err(error) => return Err(failed(error)),
-        } // client required
-    } else {
-        live
+    let step = Step {
+        ctx,
+        fleet,
+        plan: &plan,
+        owner: &owner,
+        cache,
+        previous,
     };
-    let hold = live.as_ref().filter(|_| waits.is_some());
-    let key = ObjectRef::from_obj(fleet);
-    let services = &ctx.services;
-    let applied = apply::objects(&ctx.client, cache, services, &key, &objects, hold).await; // client required
-    let (deployment, held) = match applied {
-        Ok(applied) => applied,
-        Err(error) => return Err(self::failed(&plan, Some(looped), error)),
+    let (looped, deployment, held, token) = if apply_first {
+        let (applied, ()) = futures::join!(step.apply(live, None), secret.as_mut());
+        let (looped, deployment, held) = applied?;
+        let read = secret
+            .take_output()
+            .expect("the Secret's read ran to its end");
+        let looped_then = Some(looped.clone());
+        let token = admin_token(&step, read, |e| failed(&plan, looped_then.clone(), e)).await?;
+        (looped, deployment, held, token)
+    } else {
+        let read = secret
+            .take_output()
+            .expect("the Secret's read ran to its end");
+        let token = admin_token(&step, read, |e| failed(&plan, None, e)).await?;
+        let (looped, deployment, held) = step.apply(live, Some(&token)).await?;
+        (looped, deployment, held, token)
     };
     let workload =
         observe::workload(&ctx.client, &ns, &name, &deployment, previous.is_some()).await; // client required
@@ -534,6 +550,7 @@ async fn pipeline(
     // behind the last gate written, and a gate written back to what a stale
     // copy shows would be skipped. Keyed by the Deployment's uid: a fleet
     // deleted and created again starts from what is stored.
+    let key = ObjectRef::from_obj(fleet);
     let uid = deployment.metadata.uid.clone().unwrap_or_default();
     let stored = deployment.spec.as_ref().and_then(|s| s.min_ready_seconds);
     let written = ctx.gates.lock().unwrap().get(&key).cloned();
@@ -545,7 +562,6 @@ async fn pipeline(
         .after(&done)
         .pace(previous, &pace, Timestamp::now(), min_ready); // no client required
     let behind = !status::deployment_observed(&deployment);
-    let held = waits.filter(|_| held);
     let (rollout, gate) = rollout.hold(gate, min_ready, held, behind, &pace); // no client required
     let mark = rollout::drain_mark(rollout.status.as_ref(), &deployment, Timestamp::now()); // no client required
     let gate_change = (min_ready != Some(gate)).then_some(gate);
@@ -589,6 +605,92 @@ async fn pipeline(
         deployment,
         failure,
         rollout: rollout.status,
+    })
+}
+
+/// What the apply step of one reconcile reads: the fleet, its plan, its
+/// owner reference, the watch caches (when ready) and the rollout its
+/// status records.
+struct Step<'a> {
+    ctx: &'a Context,
+    fleet: &'a ConnectionFleet,
+    plan: &'a Plan,
+    owner: &'a OwnerReference,
+    cache: Option<&'a cache::Cache>,
+    previous: Option<&'a RolloutStatus>,
+}
+
+impl Step<'_> {
+    /// metrics loop → render → apply, given the Deployment as stored
+    /// (`live`) and the admin `token` (`None` when the loop does not run:
+    /// it sends no shed orders then). Returns the loop's outcome, the
+    /// Deployment as stored after the apply, and until when a template
+    /// change waits for a drain under way when it was held back
+    /// ([`rollout::template_waits`]).
+    async fn apply(
+        &self,
+        live: Option<Deployment>,
+        token: Option<&str>,
+    ) -> Result<(autoscale::Outcome, Deployment, Option<Timestamp>), Ended> {
+        let (ctx, fleet, plan) = (self.ctx, self.fleet, self.plan);
+        let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
+        let current = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
+        let looped = metrics_loop(ctx, fleet, plan, current, token).await; // client required
+        let looped = looped.map_err(|e| failed(plan, None, e))?;
+        let owner = self.owner.clone();
+        let objects = render::render(fleet, plan, owner, looped.replicas, &ctx.policy); // no client required
+        let now = Timestamp::now();
+        let waits = rollout::template_waits(self.previous, now); // no client required
+        // A template about to be applied as a drain ends goes in only once
+        // the drain mark is gone: the admission policy refuses a template
+        // change while the mark stands, this operator's own included.
+        // Otherwise the mark goes with the gate (after the apply).
+        let lift = live.as_ref().is_some_and(|live| {
+            rollout::drain_mark(self.previous, live, now) == Some(None)
+                && cache::template_change(live, &objects.deployment).is_some()
+        }); // no client required
+        let live = if lift {
+            let patch = rollout::gate_patch(None, Some(None)).expect("a mark to remove");
+            match apply::gate(&ctx.client, &ns, &name, &patch).await {
+                Ok(deployment) => Some(deployment),
+                Err(error) => return Err(failed(plan, None, error)),
+            } // client required
+        } else {
+            live
+        };
+        let hold = live.as_ref().filter(|_| waits.is_some());
+        let key = ObjectRef::from_obj(fleet);
+        let services = &ctx.services;
+        let applied = apply::objects(&ctx.client, self.cache, services, &key, &objects, hold).await; // client required
+        match applied {
+            Ok((deployment, held)) => Ok((looped, deployment, waits.filter(|_| held))),
+            Err(error) => Err(failed(plan, Some(looped), error)),
+        }
+    }
+}
+
+/// The admin token from the fleet's Secret as `read` (`Ok(None)`: there
+/// is none, and one is created now), once the Secret's controller is
+/// checked. Errors: the read or the create failed, or the Secret holds no
+/// usable token (`failed`), or it is not the fleet's (`ObjectConflict`).
+async fn admin_token(
+    step: &Step<'_>,
+    read: Result<Option<Secret>, Error>,
+    failed: impl Fn(Error) -> Ended,
+) -> Result<String, Ended> {
+    let (client, fleet, owner) = (&step.ctx.client, step.fleet, step.owner);
+    let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
+    let secret = match read.map_err(&failed)? {
+        Some(secret) => secret,
+        None => apply::create_admin_secret(client, &ns, &name, owner.clone())
+            .await
+            .map_err(&failed)?, // client required
+    };
+    reject_conflict(observe::secret_conflict(&secret, &name, &owner.uid))?; // no client required
+    apply::secret_token(&secret).ok_or_else(|| {
+        failed(Error::AdminSecretInvalid {
+            name: secret_name(&name),
+        })
     })
 }
 
@@ -669,7 +771,7 @@ async fn metrics_loop(
     fleet: &ConnectionFleet,
     plan: &Plan,
     current: Option<i32>,
-    token: &str,
+    token: Option<&str>,
 ) -> Result<autoscale::Outcome, Error> {
     let key = ObjectRef::from_obj(fleet);
     let ns = fleet.namespace().unwrap_or_default();

@@ -18,16 +18,22 @@ use c10m_operator::api::ConnectionFleet;
 use c10m_operator::policy::Policy;
 use c10m_operator::reason::Reason;
 use c10m_operator::reconcile::apply::SERVICE_WAIT;
+use c10m_operator::reconcile::cache::{Cache, Stored};
 use c10m_operator::reconcile::report::ROLLOUT_RECHECK;
 use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
 use c10m_operator::telemetry::Metrics;
 use futures::StreamExt;
 use http::Method;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 const NS: &str = "prod";
 const NAME: &str = "edge";
@@ -84,8 +90,9 @@ struct Cluster {
     fail_deployment_apply: Option<(u16, String)>,
     /// The Service's apply fails with this `Status` (code, message).
     fail_service_apply: Option<(u16, String)>,
-    /// The Service's apply is answered only once this turns `true`.
-    hold_service_apply: Option<watch::Receiver<bool>>,
+    /// Calls of this method on this path are answered only once the gate
+    /// turns `true` (a slow API server).
+    hold: Option<(Method, &'static str, watch::Receiver<bool>)>,
 }
 
 impl Cluster {
@@ -102,11 +109,13 @@ impl Cluster {
     }
 
     /// Answers one call the way the API server would for these objects;
-    /// the Service's apply once [`Cluster::hold_service_apply`] lets it go.
+    /// a held one once [`Cluster::hold`] lets it go.
     fn answer(&mut self, call: &Call) -> Reply {
         let reply = self.answer_now(call);
-        match &self.hold_service_apply {
-            Some(gate) if call.is(Method::PATCH, SERVICE) => reply.held_until(gate.clone()),
+        match &self.hold {
+            Some((method, path, gate)) if call.is(method.clone(), path) => {
+                reply.held_until(gate.clone())
+            }
             _ => reply,
         }
     }
@@ -210,6 +219,17 @@ struct Harness {
     cluster: Arc<Mutex<Cluster>>,
     api: ApiServer,
     ctx: Arc<Context>,
+    /// The watch caches' writers, when the context reads caches.
+    caches: Option<Mutex<Writers>>,
+}
+
+/// The writers of the stores a [`Cache`] reads, fed by the controller's
+/// watches in the operator and by [`Harness::sync_caches`] here.
+struct Writers {
+    nodes: Writer<Node>,
+    deployments: Writer<Stored<Deployment>>,
+    services: Writer<Stored<Service>>,
+    pdbs: Writer<Stored<PodDisruptionBudget>>,
 }
 
 impl Harness {
@@ -219,13 +239,81 @@ impl Harness {
 
     /// [`Harness::start`] with the operator under the admin's `policy`.
     fn start_under(cluster: Cluster, policy: Policy) -> Harness {
-        let cluster = Arc::new(Mutex::new(cluster));
-        let routed = cluster.clone();
-        let (client, api) = ApiServer::start(move |call| routed.lock().unwrap().answer(call));
+        let (cluster, client, api) = Self::serve(cluster);
         let ctx = Arc::new(
             Context::new(client, None, Arc::new(Metrics::default()), None).with_policy(policy),
         );
-        Harness { cluster, api, ctx }
+        Harness {
+            cluster,
+            api,
+            ctx,
+            caches: None,
+        }
+    }
+
+    /// [`Harness::start`] with the operator reading the watch caches, as
+    /// it does in a cluster, listed from what `cluster` stores.
+    fn start_cached(cluster: Cluster) -> Harness {
+        let (cluster, client, api) = Self::serve(cluster);
+        let mut writers = Writers {
+            nodes: Writer::default(),
+            deployments: Writer::default(),
+            services: Writer::default(),
+            pdbs: Writer::default(),
+        };
+        let cache = Cache::new(
+            writers.nodes.as_reader(),
+            writers.deployments.as_reader(),
+            writers.services.as_reader(),
+            writers.pdbs.as_reader(),
+            CancellationToken::new(),
+        );
+        writers.nodes.apply_watcher_event(&watcher::Event::InitDone);
+        let ctx = Arc::new(
+            Context::new(client, None, Arc::new(Metrics::default()), None).with_cache(cache),
+        );
+        let h = Harness {
+            cluster,
+            api,
+            ctx,
+            caches: Some(Mutex::new(writers)),
+        };
+        h.sync_caches();
+        h
+    }
+
+    fn serve(cluster: Cluster) -> (Arc<Mutex<Cluster>>, kube::Client, ApiServer) {
+        let cluster = Arc::new(Mutex::new(cluster));
+        let routed = cluster.clone();
+        let (client, api) = ApiServer::start(move |call| routed.lock().unwrap().answer(call));
+        (cluster, client, api)
+    }
+
+    /// Lists the cluster's Deployment, Service and PodDisruptionBudget into
+    /// the caches again, as a watch's relist would.
+    fn sync_caches(&self) {
+        fn relist<K>(writer: &mut Writer<Stored<K>>, stored: Option<&Value>)
+        where
+            K: kube::Resource<DynamicType = ()> + serde::de::DeserializeOwned + serde::Serialize,
+            Stored<K>: kube::Resource<DynamicType = ()> + Clone,
+        {
+            writer.apply_watcher_event(&watcher::Event::Init);
+            if let Some(obj) = stored {
+                let obj: K = serde_json::from_value(obj.clone()).expect("a stored object");
+                writer.apply_watcher_event(&watcher::Event::InitApply(Stored::new(&obj)));
+            }
+            writer.apply_watcher_event(&watcher::Event::InitDone);
+        }
+        let mut writers = self
+            .caches
+            .as_ref()
+            .expect("a cached harness")
+            .lock()
+            .unwrap();
+        let objects = self.cluster.lock().unwrap().objects.clone();
+        relist::<Deployment>(&mut writers.deployments, objects.get(DEPLOYMENT));
+        relist::<Service>(&mut writers.services, objects.get(SERVICE));
+        relist::<PodDisruptionBudget>(&mut writers.pdbs, objects.get(PDB));
     }
 
     /// Reconciles `fleet` (the possibly stale copy a watch delivered).
@@ -1063,7 +1151,7 @@ async fn a_slow_service_apply_holds_no_reconcile_and_its_end_is_reported() {
     let h = Harness::start(Cluster {
         ready: true,
         fail_service_apply: Some((422, message.into())),
-        hold_service_apply: Some(gate),
+        hold: Some((Method::PATCH, SERVICE, gate)),
         ..Cluster::with_fleet(&cached)
     });
     let mut ended = h.ctx.service_applies_ended().expect("not taken yet");
@@ -1130,4 +1218,70 @@ async fn a_slow_service_apply_holds_no_reconcile_and_its_end_is_reported() {
     assert_eq!(writes_to(&calls, SERVICE).len(), 1, "{calls:#?}");
     assert_eq!(condition(&status_writes(&calls)[0], "Degraded").0, "False");
     assert!(ended.try_recv().is_err(), "an apply waited for is not sent");
+}
+
+/// Issue 23: a new fleet (no Deployment in the watch cache) has its admin
+/// Secret created at once, not read first, beside the read of its other
+/// objects: its Deployment is applied after two round trips, not three.
+/// Once its Deployment is cached and its metrics loop does not run, a
+/// re-plan applies while the Secret is read: the Deployment's apply does
+/// not wait for that read (held here until the apply is seen).
+#[tokio::test(start_paused = true)]
+async fn a_new_fleet_creates_its_secret_unread_and_a_replan_applies_while_it_is_read() {
+    let cached = fleet(feasible());
+    let (open, gate) = watch::channel(false);
+    let h = Harness::start_cached(Cluster {
+        ready: true,
+        ..Cluster::with_fleet(&cached)
+    });
+
+    h.reconcile(&cached).await.expect("applied");
+    let calls = h.api.take();
+    let secret_reads = |calls: &[Call]| calls.iter().filter(|c| c.is(Method::GET, SECRET)).count();
+    assert_eq!(secret_reads(&calls), 0, "{calls:#?}");
+    let created = writes_to(&calls, SECRETS);
+    assert_eq!(created.len(), 1, "{calls:#?}");
+    assert_eq!(
+        created[0].body.as_ref().unwrap()["metadata"]["ownerReferences"][0]["uid"],
+        UID
+    );
+    let applies = |calls: &[Call]| -> Vec<Value> {
+        writes_to(calls, DEPLOYMENT)
+            .into_iter()
+            .filter(|c| c.query().contains("force=true"))
+            .map(|c| c.body.clone().unwrap())
+            .collect()
+    };
+    let first = applies(&calls);
+    assert_eq!(first.len(), 1, "{calls:#?}");
+
+    // The Deployment reaches the cache; the fleet is re-planned and its
+    // Secret's read is slow.
+    h.sync_caches();
+    h.cluster.lock().unwrap().hold = Some((Method::GET, SECRET, gate));
+    let mut replanned = h.stored_fleet();
+    replanned.spec.connections = 2_000_000;
+    let ctx = h.ctx.clone();
+    let reconciling = tokio::spawn(reconcile(Arc::new(replanned), ctx));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!reconciling.is_finished(), "the Secret's read is held");
+    let calls = h.api.take();
+    assert_eq!(secret_reads(&calls), 1, "{calls:#?}");
+    let applied = applies(&calls);
+    assert_eq!(
+        applied.len(),
+        1,
+        "applied before the read returned: {calls:#?}"
+    );
+    assert_ne!(
+        applied[0]["spec"], first[0]["spec"],
+        "the re-plan's Deployment"
+    );
+
+    open.send(true).unwrap();
+    let action = reconciling.await.unwrap().expect("reconciled");
+    assert_eq!(action, Action::requeue(RESYNC));
+    let calls = h.api.take();
+    assert!(writes_to(&calls, SECRETS).is_empty(), "{calls:#?}");
+    assert_eq!(condition(&status_writes(&calls)[0], "Degraded").0, "False");
 }

@@ -576,38 +576,64 @@ fn objects_the_fleet_does_not_own_are_never_taken_over() {
         "-n",
         ns,
     ]);
+    // Applies fleet `name` and waits for its ObjectConflict: the fleet
+    // and the condition's message. Nothing of the fleet is applied.
+    let blocked = |name: &str| {
+        let (ok, out) = apply(ns, &fleet_manifest(name, 1000, ""));
+        assert!(ok, "{out}");
+        let fleet = wait_condition(ns, name, "Degraded", "True", Some("ObjectConflict"), MINUTE);
+        let msg = condition(&fleet, "Degraded").unwrap()["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            get_json(ns, "deployment", name).is_none(),
+            "nothing applied while in conflict"
+        );
+        (fleet, msg)
+    };
+    // The user's object `kind`/`name` still holds `field` as `before`, and
+    // no owner.
+    let untouched = |kind: &str, name: &str, before: &Value, field: &str| {
+        let after = get_json(ns, kind, name).unwrap();
+        assert_eq!(
+            after[field], before[field],
+            "the user's {kind} is untouched"
+        );
+        assert!(after["metadata"]["ownerReferences"].is_null(), "{after}");
+    };
     let before = get_json(ns, "service", "api").unwrap();
-    let (ok, out) = apply(ns, &fleet_manifest("api", 1000, ""));
-    assert!(ok, "{out}");
-    let fleet = wait_condition(
-        ns,
-        "api",
-        "Degraded",
-        "True",
-        Some("ObjectConflict"),
-        MINUTE,
-    );
-    let msg = condition(&fleet, "Degraded").unwrap()["message"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (fleet, msg) = blocked("api");
     assert!(msg.contains("Service api already exists"), "{msg}");
-    let after = get_json(ns, "service", "api").unwrap();
-    assert_eq!(
-        after["spec"], before["spec"],
-        "the user's Service is untouched"
-    );
-    assert!(after["metadata"]["ownerReferences"].is_null());
-    assert!(
-        get_json(ns, "deployment", "api").is_none(),
-        "nothing applied while in conflict"
-    );
+    untouched("service", "api", &before, "spec");
     wait_for("ObjectConflict Warning event", MINUTE, || {
         events_for(ns, "api")
             .iter()
             .any(|(t, r, _)| t == "Warning" && r == "ObjectConflict")
             .then_some(())
     });
+    // A new fleet's admin Secret is created as its other objects are read
+    // (ADR 0012): the fleet's own, even while another object blocks it.
+    let own = get_json(ns, "secret", "api-admin").expect("the fleet's admin Secret");
+    assert_eq!(
+        own["metadata"]["ownerReferences"][0]["uid"], fleet["metadata"]["uid"],
+        "{own}"
+    );
+    // A Secret of the admin Secret's name made by someone else: the create
+    // finds it (409), and it is named as the conflict, left as it was.
+    kubectl(&[
+        "create",
+        "secret",
+        "generic",
+        "web-admin",
+        "--from-literal=token=theirs",
+        "-n",
+        ns,
+    ]);
+    let theirs = get_json(ns, "secret", "web-admin").unwrap();
+    let (_, msg) = blocked("web");
+    assert!(msg.contains("Secret web-admin already exists"), "{msg}");
+    untouched("secret", "web-admin", &theirs, "data");
     // Deleting the fleet leaves the user's Service alone.
     kubectl(&["delete", "connectionfleet", "api", "-n", ns, "--wait=true"]);
     std::thread::sleep(Duration::from_secs(2));

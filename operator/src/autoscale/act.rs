@@ -20,18 +20,21 @@ use crate::names::POD_DELETION_COST;
 use crate::reason::{Announcement, EventAction, Reason};
 
 /// Lifts the marks the decision unmarks, marks its victims, then sends its
-/// shed orders (orders to a pod with no IP yet are skipped). Each lifted
-/// mark and each order a shard accepts is logged.
+/// shed orders with the fleet's admin `token` (orders to a pod with no IP
+/// yet are skipped; only a loop that runs, [`super::decide::runs`], sheds,
+/// and the reconcile gives it the token). Each lifted mark and each order a
+/// shard accepts is logged.
 pub async fn act(
     decision: &Decision,
     pods: &Api<Pod>,
     http: &reqwest::Client,
-    token: &str,
+    token: Option<&str>,
 ) -> Result<Acted, kube::Error> {
     unmark(pods, &decision.unmark).await?;
     mark_for_deletion(pods, &decision.victims).await?;
     let mut acted = Acted::default();
-    let Some(plan) = &decision.shed else {
+    let (Some(plan), Some(token)) = (&decision.shed, token) else {
+        debug_assert!(decision.shed.is_none(), "shed orders without the token");
         return Ok(acted);
     };
     for s in &plan.orders {

@@ -50,8 +50,9 @@ pub struct Inputs<'a> {
     pub reader: Option<&'a Reader>,
     /// Pods of the fleet's namespace.
     pub pods: &'a Api<Pod>,
-    /// The fleet's admin token.
-    pub token: &'a str,
+    /// The fleet's admin token, for shed orders; `None` when the loop does
+    /// not run ([`decide::runs`]), which sends none then.
+    pub token: Option<&'a str>,
     /// HTTP client for shard admin calls.
     pub http: &'a reqwest::Client,
     /// Seconds on the loop's monotonic clock.

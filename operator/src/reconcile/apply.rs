@@ -351,30 +351,42 @@ pub fn secret_token(secret: &Secret) -> Option<String> {
         .map(str::to_string)
 }
 
-/// The fleet's admin token (the bearer token of its shards' `/drain` and
-/// `/shed`): from its Secret `<fleet>-admin` as the reconcile read it
-/// (`found`, [`super::observe::owned`]), or, when there is none,
-/// from one created now (32 random bytes, hex) with the fleet as owner.
-/// Never rotated by the operator. When a create races another reconcile
-/// (409), the winner's Secret is read once more; a Secret without a usable
-/// token is an error naming it (never a retry loop).
-pub async fn admin_secret(
+/// The fleet's admin Secret `<fleet>-admin` as stored (it holds the bearer
+/// token of its shards' `/drain`, `/cordon` and `/shed`, [`secret_token`]);
+/// `None` when there is none. Secrets are not watched (that needs `list`
+/// and `watch` on every Secret; the chart grants `get` and `create`), so it
+/// is read through the API. Errors: the GET failed, as
+/// [`Error::AdminSecret`].
+pub async fn read_admin_secret(
+    client: &Client,
+    ns: &str,
+    fleet: &str,
+) -> Result<Option<Secret>, Error> {
+    let name = secret_name(fleet);
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .get_opt(&name)
+        .await
+        .map_err(|source| Error::AdminSecret { name, source })
+}
+
+/// Creates the fleet's admin Secret `<fleet>-admin` (32 random bytes, hex,
+/// with the fleet as `owner`; never rotated by the operator) and returns it
+/// as stored; when one exists already (409: the fleet's own, made before or
+/// by a reconcile that raced this one, or another's), that one, read. The
+/// caller checks who controls it ([`super::observe::secret_conflict`]).
+/// Errors: the create or the read failed, as [`Error::AdminSecret`].
+pub async fn create_admin_secret(
     client: &Client,
     ns: &str,
     fleet: &str,
     owner: OwnerReference,
-    found: Option<Secret>,
-) -> Result<String, Error> {
+) -> Result<Secret, Error> {
     let api = Api::<Secret>::namespaced(client.clone(), ns);
     let name = secret_name(fleet);
     let err = |source| Error::AdminSecret {
         name: name.clone(),
         source,
     };
-    let token = |s: Secret| secret_token(&s);
-    if let Some(found) = found {
-        return token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() });
-    }
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).expect("the OS random source works");
     let fresh: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
@@ -387,17 +399,13 @@ pub async fn admin_secret(
         },
         data: Some(BTreeMap::from([(
             TOKEN_KEY.to_string(),
-            ByteString(fresh.clone().into_bytes()),
+            ByteString(fresh.into_bytes()),
         )])),
         ..Default::default()
     };
     match api.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(fresh),
-        // Another reconcile created it first: use theirs.
-        Err(kube::Error::Api(e)) if e.code == 409 => {
-            let found = api.get(&name).await.map_err(err)?;
-            token(found).ok_or_else(|| Error::AdminSecretInvalid { name: name.clone() })
-        }
+        Ok(created) => Ok(created),
+        Err(kube::Error::Api(e)) if e.code == 409 => api.get(&name).await.map_err(err),
         Err(e) => Err(err(e)),
     }
 }

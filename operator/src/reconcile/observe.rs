@@ -121,21 +121,17 @@ pub async fn node_facts(
 
 /// What fleet `name` would own, as stored, read once a reconcile and all
 /// at once (one round trip where the watch caches miss, not one per
-/// object): its Deployment, its admin Secret `<fleet>-admin`, and the first
-/// of its objects that exists but is controlled by something else.
+/// object): its Deployment, and the first of its objects that exists but
+/// is controlled by something else. Its admin Secret is read or created
+/// apart, at the same time ([`super::apply::admin_secret`]).
 #[derive(Clone, Debug, Default)]
 pub struct Owned {
     /// The Deployment as stored (`None` before it exists): its replicas now
     /// (the metrics loop's start) and its pod template (a template change
     /// held back during a rollout's drain, [`super::apply::objects`]).
     pub deployment: Option<Deployment>,
-    /// The admin Secret (`None`: not created yet), whose token
-    /// [`super::apply::admin_secret`] takes. Secrets are not watched (that
-    /// needs `list` and `watch` on every Secret; the chart grants `get` and
-    /// `create`).
-    pub secret: Option<Secret>,
     /// A message naming the first object (Deployment, Service,
-    /// PodDisruptionBudget, admin Secret) that exists and is not controlled
+    /// PodDisruptionBudget) that exists and is not controlled
     /// by the fleet's `uid`. The operator never adopts or rewrites such an
     /// object.
     pub conflict: Option<String>,
@@ -143,8 +139,8 @@ pub struct Owned {
 
 /// Reads [`Owned`] for fleet `name` (uid `uid`) in `ns`. An object the
 /// `cache` holds is read from it (it carries the operator's labels, but the
-/// owner is still checked); the others, and the Secret, through the API,
-/// concurrently. Errors: the first failed GET, as [`Error::Observe`].
+/// owner is still checked); the others through the API, concurrently.
+/// Errors: the first failed GET, as [`Error::Observe`].
 pub async fn owned(
     client: &Client,
     cache: Option<&Cache>,
@@ -192,27 +188,45 @@ pub async fn owned(
             None => get::<Deployment>(client, ns, name).await,
         }
     };
-    let secret_name = secret_name(name);
-    let (deployment, service, pdb, secret) = futures::try_join!(
+    let (deployment, service, pdb) = futures::try_join!(
         deployment,
         meta::<Service>(client, cache.map(|c| &c.services), ns, name),
         meta::<PodDisruptionBudget>(client, cache.map(|c| &c.pdbs), ns, name),
-        get::<Secret>(client, ns, &secret_name),
     )?;
     let conflict = [
         not_ours::<Deployment>(deployment.as_ref().map(|o| &o.metadata), name, uid),
         not_ours::<Service>(service.as_ref(), name, uid),
         not_ours::<PodDisruptionBudget>(pdb.as_ref(), name, uid),
-        not_ours::<Secret>(secret.as_ref().map(|o| &o.metadata), &secret_name, uid),
     ]
     .into_iter()
     .flatten()
     .next();
     Ok(Owned {
         deployment,
-        secret,
         conflict,
     })
+}
+
+/// `fleet` is new: it has no status (no reconcile has ended for it; the
+/// copy a reconcile takes is as new as this process's last status write,
+/// [`cached_is_current`]) and the `cache` (ready) holds no Deployment for
+/// it. Its admin Secret most likely does not exist either, and is created
+/// without being read first ([`super::apply::create_admin_secret`]). Not
+/// the cache alone: it lags the applies under load, and each reconcile of
+/// a fleet before its Deployment reached the cache then sent a create that
+/// failed (409) and a read (`make bench-scale`, 2026-12-06: 1,400 more
+/// writes and 5,000 more reads over the ramp). `false` without a cache.
+pub fn new_fleet(cache: Option<&Cache>, fleet: &ConnectionFleet) -> bool {
+    let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
+    fleet.status.is_none()
+        && cache.is_some_and(|c| cache::get(&c.deployments, &ns, &name).is_none())
+}
+
+/// The message naming the fleet's admin Secret (`<fleet>-admin`) when
+/// `secret` is not controlled by the fleet's `uid`, as [`Owned::conflict`]
+/// names its other objects.
+pub fn secret_conflict(secret: &Secret, fleet: &str, uid: &str) -> Option<String> {
+    not_ours::<Secret>(Some(&secret.metadata), &secret_name(fleet), uid)
 }
 
 /// The message naming object `name` of kind `K` when it exists (`meta`)
