@@ -478,8 +478,9 @@ async fn pipeline(
     // not run reads its Secret while it applies (one round trip less
     // before a re-plan's Deployment; a Secret refused is then reported
     // after the apply of objects that exist already).
-    let new = observe::new_fleet(cache, fleet);
-    let apply_first = cache.is_some() && !new && !autoscale::decide::runs(&fleet.spec);
+    let cached = observe::deployment_cached(cache, fleet);
+    let new = observe::new_fleet(cached, fleet);
+    let apply_first = cached == Some(true) && !autoscale::decide::runs(&fleet.spec);
     let secret = async {
         match new {
             true => apply::create_admin_secret(&ctx.client, &ns, &name, owner.clone())

@@ -207,19 +207,25 @@ pub async fn owned(
     })
 }
 
+/// Whether the `cache` (ready) holds `fleet`'s Deployment (read without
+/// parsing it); `None` without a cache.
+pub fn deployment_cached(cache: Option<&Cache>, fleet: &ConnectionFleet) -> Option<bool> {
+    let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
+    cache.map(|c| cache::metadata(&c.deployments, &ns, &name).is_some())
+}
+
 /// `fleet` is new: it has no status (no reconcile has ended for it; the
 /// copy a reconcile takes is as new as this process's last status write,
-/// [`cached_is_current`]) and the `cache` (ready) holds no Deployment for
-/// it. Its admin Secret most likely does not exist either, and is created
-/// without being read first ([`super::apply::create_admin_secret`]). Not
-/// the cache alone: it lags the applies under load, and each reconcile of
-/// a fleet before its Deployment reached the cache then sent a create that
-/// failed (409) and a read (`make bench-scale`, 2026-12-06: 1,400 more
-/// writes and 5,000 more reads over the ramp). `false` without a cache.
-pub fn new_fleet(cache: Option<&Cache>, fleet: &ConnectionFleet) -> bool {
-    let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
-    fleet.status.is_none()
-        && cache.is_some_and(|c| cache::get(&c.deployments, &ns, &name).is_none())
+/// [`cached_is_current`]) and the cache holds no Deployment for it
+/// ([`deployment_cached`] says `Some(false)`). Its admin Secret most
+/// likely does not exist either, and is created without being read first
+/// ([`super::apply::create_admin_secret`]). Not the cache alone: it lags
+/// the applies under load, and each reconcile of a fleet before its
+/// Deployment reached the cache then sent a create that failed (409) and
+/// a read (`make bench-scale`, 2026-12-06: 1,400 more writes and 5,000
+/// more reads over the ramp). `false` without a cache.
+pub fn new_fleet(deployment_cached: Option<bool>, fleet: &ConnectionFleet) -> bool {
+    fleet.status.is_none() && deployment_cached == Some(false)
 }
 
 /// The message naming the fleet's admin Secret (`<fleet>-admin`) when
