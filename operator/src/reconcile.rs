@@ -516,8 +516,7 @@ async fn pipeline(
         let read = secret
             .take_output()
             .expect("the Secret's read ran to its end");
-        let looped_then = Some(looped.clone());
-        let token = admin_token(&step, read, |e| failed(&plan, looped_then.clone(), e)).await?;
+        let token = admin_token(&step, read, |e| failed(&plan, Some(looped.clone()), e)).await?;
         (looped, deployment, held, token)
     } else {
         let read = secret

@@ -1220,7 +1220,7 @@ async fn a_slow_service_apply_holds_no_reconcile_and_its_end_is_reported() {
     assert!(ended.try_recv().is_err(), "an apply waited for is not sent");
 }
 
-/// Issue 23: a new fleet (no Deployment in the watch cache) has its admin
+/// Issue 23: a new fleet (no status, no Deployment in the watch cache) has its admin
 /// Secret created at once, not read first, beside the read of its other
 /// objects: its Deployment is applied after two round trips, not three.
 /// Once its Deployment is cached and its metrics loop does not run, a

@@ -123,7 +123,8 @@ pub async fn node_facts(
 /// at once (one round trip where the watch caches miss, not one per
 /// object): its Deployment, and the first of its objects that exists but
 /// is controlled by something else. Its admin Secret is read or created
-/// apart, at the same time ([`super::apply::admin_secret`]).
+/// apart, at the same time ([`super::apply::read_admin_secret`],
+/// [`super::apply::create_admin_secret`]).
 #[derive(Clone, Debug, Default)]
 pub struct Owned {
     /// The Deployment as stored (`None` before it exists): its replicas now
