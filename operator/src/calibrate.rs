@@ -548,6 +548,19 @@ fn stuck(pod: &Pod) -> Option<String> {
     })
 }
 
+/// How long a calibration whose probe stopped early waits for the kubelet
+/// to report its shard's end before it takes the shard as still running:
+/// the kubelet notices a container's exit at its next relist (1 s) and
+/// posts the pod's status after; 30 s leaves room for a loaded node.
+const SHARD_END_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether a container of `pod` has ended.
+fn container_ended(pod: &Pod) -> bool {
+    statuses(pod)
+        .iter()
+        .any(|c| c.state.as_ref().is_some_and(|s| s.terminated.is_some()))
+}
+
 fn oom_killed(pod: &Pod) -> bool {
     statuses(pod).iter().any(|c| {
         c.state
@@ -834,10 +847,21 @@ async fn measure(
         pod: probe_name.clone(),
         reason: format!("{e}: {message:?}"),
     })?;
-    let shard_now = pods
-        .get(&name)
-        .await
-        .map_err(kube(format!("get pod {name}")))?;
+    // A probe that stopped early may have lost its shard: the kubelet
+    // reports the shard's end (and an OOM kill) a relist or more after the
+    // probe saw its connections reset, so wait for the end, bounded.
+    let shard_now = if report.error.is_some() {
+        let until = until.min(Instant::now() + SHARD_END_WAIT);
+        watch(pods, &name, until, |p| {
+            container_ended(p).then(|| p.clone())
+        })
+        .await?
+        .unwrap_or_else(|p| p)
+    } else {
+        pods.get(&name)
+            .await
+            .map_err(kube(format!("get pod {name}")))?
+    };
     if oom_killed(&shard_now) {
         let last = report.samples.iter().rfind(|s| s.slow_readers == 0);
         return Err(Error::Oom {
@@ -1060,6 +1084,30 @@ mod tests {
             why.starts_with("Unschedulable: 0/4 nodes") && why.contains("Insufficient cpu"),
             "{why}"
         );
+    }
+
+    #[test]
+    fn a_shard_ends_when_its_container_terminates_and_an_oom_kill_says_so() {
+        let pod = |state: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "chat-calibrate-x"},
+                "status": {"phase": "Running", "containerStatuses": [{
+                    "name": "server", "image": "c10m/goecho:0.1.0", "imageID": "",
+                    "ready": false, "restartCount": 0, "state": state,
+                }]}
+            }))
+            .unwrap()
+        };
+        let running = pod(serde_json::json!({"running": {}}));
+        assert!(!container_ended(&running) && !oom_killed(&running));
+        let killed =
+            pod(serde_json::json!({"terminated": {"exitCode": 137, "reason": "OOMKilled"}}));
+        assert!(container_ended(&killed) && oom_killed(&killed));
+        let failed = pod(serde_json::json!({"terminated": {"exitCode": 1, "reason": "Error"}}));
+        assert!(container_ended(&failed) && !oom_killed(&failed));
+        let unknown: Pod =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "x"}})).unwrap();
+        assert!(!container_ended(&unknown));
     }
 
     #[test]

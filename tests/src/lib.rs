@@ -360,13 +360,16 @@ impl Drop for RolloutAdmission {
     }
 }
 
+/// How every e2e namespace's name begins ([`Namespace::create`]).
+pub const E2E_NAMESPACE_PREFIX: &str = "c10m-e2e-";
+
 /// A namespace that is deleted when dropped.
 pub struct Namespace(pub String);
 
 impl Namespace {
     /// Creates `c10m-e2e-<prefix>-<pid>`.
     pub fn create(prefix: &str) -> Self {
-        let name = format!("c10m-e2e-{prefix}-{}", std::process::id());
+        let name = format!("{E2E_NAMESPACE_PREFIX}{prefix}-{}", std::process::id());
         kubectl(&["create", "namespace", &name]);
         Namespace(name)
     }
