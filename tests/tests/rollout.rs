@@ -244,7 +244,8 @@ fn rollout_status(ns: &str) -> Value {
 /// "revisionChanges", "reachedOldRevision", "reachedInterruptedRevision",
 /// "durationSeconds",
 /// "idealSeconds", "podStartSeconds", "mostPods", "surge",
-/// "closedWhilePaused"}`. Asserts
+/// "closedWhilePaused", "connectionsByShardAtEnd", "hottestToMeanPercent"}`.
+/// Asserts
 /// what must hold for the figures to mean anything (every client held at
 /// the end, each closed by the server with 1001, the fleet complete);
 /// [`check`] asserts the bounds.
@@ -541,6 +542,18 @@ fn roll(r: &Roll) -> Value {
             at.elapsed().as_secs_f64()
         );
     }
+    // Where the clients are at the end, by shard, and the hottest shard
+    // against the mean, as the rebalancer weighs them
+    // (`spec.rebalance.maxToMeanPercent`).
+    let mut by_shard: Vec<i64> = finals.iter().filter_map(|p| connections(&p.ip)).collect();
+    by_shard.sort_unstable();
+    let mean = by_shard.iter().sum::<i64>() as f64 / by_shard.len().max(1) as f64;
+    let hottest_to_mean = by_shard
+        .last()
+        .map_or(0.0, |&c| c as f64 / mean.max(1.0) * 100.0);
+    println!(
+        "FIGURE rollout_connections_by_shard_at_end={by_shard:?} hottest_to_mean_percent={hottest_to_mean:.0}"
+    );
     stop.store(true, Ordering::Relaxed);
     let report = load.finish();
     assert!(
@@ -659,6 +672,8 @@ fn roll(r: &Roll) -> Value {
         "mostPods": most_pods,
         "mostServingPods": most_serving_pods,
         "closedWhilePaused": closed_paused,
+        "connectionsByShardAtEnd": by_shard,
+        "hottestToMeanPercent": hottest_to_mean.round(),
         "failoverAllowanceSeconds": if r.failover { FAILOVER_SECONDS } else { 0.0 },
     })
 }
@@ -671,7 +686,11 @@ fn roll(r: &Roll) -> Value {
 /// Terminating ≤ shards + surge, and the duration, the pause left out, ≤ 1.3 × the
 /// ideal (every client closed at the budget) + 2 pod starts (the first
 /// step's surge, and the last step's, which no drain hides), plus
-/// [`FAILOVER_SECONDS`] when the leader was killed.
+/// [`FAILOVER_SECONDS`] when the leader was killed. How balanced the
+/// shards end (`hottestToMeanPercent`) is reported, not bounded: issue 22
+/// asks for the rebalancer's tolerance (`spec.rebalance.maxToMeanPercent`,
+/// 120), which a 4-shard roll met (103–105 % on 2026-12-06) and the
+/// 8-shard bench and a third revision did not (131 %; ADR 0011).
 fn check(fig: &Value) {
     let f = |k: &str| fig[k].as_f64().unwrap_or_else(|| panic!("{k} in {fig}"));
     let (budget, ideal) = (f("budget"), f("idealSeconds"));
