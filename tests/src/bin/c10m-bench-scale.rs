@@ -35,7 +35,9 @@
 //!    (`prometheusQueriesPerSync`, each reconcile of such a fleet being one
 //!    sync) and per fleet and sync period.
 //! 6. **Burst**: delete every fleet, then one `kubectl apply` of all of
-//!    them; seconds until every Deployment is seen.
+//!    them; seconds until every Deployment is seen, how long `kubectl`
+//!    took, and each fleet's first watch event → its Deployment's, p50 /
+//!    p99 / max in ms.
 //!
 //! The run stops early (and still writes what it measured, with
 //! `"aborted"` saying why) when the machine's MemAvailable falls below
@@ -255,6 +257,9 @@ fn proc_kib(path: &str, name: &str) -> Option<u64> {
 struct Seen {
     /// When the fleet was created (ramp) or patched (re-plan).
     applied: Option<Instant>,
+    /// First event of the fleet on the bench's watch (the burst's fleets
+    /// are created by `kubectl`, so this is their apply as a watch sees it).
+    fleet_seen: Option<Instant>,
     /// First event of its Deployment.
     deployment: Option<Instant>,
     /// Its Deployment's `metadata.generation`s, each with when it was first
@@ -344,6 +349,7 @@ fn watch_fleets(api: Api<DynamicObject>, book: Book) {
                 .any(|c| c["type"] == "Ready" && c["status"] == "True");
             let mut book = book.lock().unwrap();
             let seen = book.entry(key).or_default();
+            seen.fleet_seen.get_or_insert(now);
             seen.fleet_events += 1;
             if ready {
                 seen.ready.get_or_insert(now);
@@ -923,17 +929,20 @@ impl Run<'_> {
             || self.count(|s| s.deployment.is_some()) >= n,
         )
         .await;
-        let last = self
-            .book
-            .lock()
-            .unwrap()
+        let book = self.book.lock().unwrap();
+        let last = book.values().filter_map(|s| s.deployment).max();
+        // Each fleet from its first watch event to its Deployment's: what
+        // the operator adds while the fleets arrive at kubectl's pace.
+        let each = book
             .values()
-            .filter_map(|s| s.deployment)
-            .max();
+            .filter_map(|s| Some(ms(s.fleet_seen?, s.deployment?)))
+            .collect();
+        drop(book);
         r.set(
             "burstAllDeploymentsSeconds",
             json!(last.map(|l| round2(ms(start, l) / 1000.0))),
         );
+        r.set("burstFleetToDeploymentMs", percentiles(each));
         r.set("burstKubectlApplySeconds", json!(round2(applied)));
         waited
     }
@@ -1219,6 +1228,11 @@ fn print_table(r: &Value) {
     row(
         "burst: every Deployment s",
         &r["burstAllDeploymentsSeconds"],
+    );
+    row("burst: kubectl apply s", &r["burstKubectlApplySeconds"]);
+    row(
+        "burst: fleet seen -> Deployment p99 ms",
+        &r["burstFleetToDeploymentMs"]["p99"],
     );
     row(
         "Prometheus queries per sync",
