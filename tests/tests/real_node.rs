@@ -1340,17 +1340,21 @@ fn a_fleet_asking_for_calibration_is_planned_from_its_own_measurement() {
 }
 
 /// A fleet whose typed-in guess is far too low (10 B of user space per
-/// connection for a Go server that spends about 4.6 KB) asks for
+/// connection for a Go server that spends about 5.5 KB) asks for
 /// calibration: the calibration's shard, planned from the guess, is
 /// OOM-killed, the condition says after how many connections and at what
 /// pod bytes, and the fleet is planned from the spec meanwhile.
 ///
-/// The fleet plans the Go server as `custom`, so no GOMEMLIMIT is set and
-/// its heap grows to twice its live set between collections (GOGC=100).
-/// As `goroutine`, GOMEMLIMIT (90 % of the limit) makes the collector hold
-/// the heap under the limit: at the probe's 19,606 connections the pod
-/// needs about 4,654 B each (measured on the real node, 2026-12-06), and
-/// the shard was killed in some runs and held in others.
+/// The kill must not depend on the collector's timing. Idle connections
+/// alone do not decide it: the limit (97.5 MB) is the guess's bytes plus a
+/// 64 MiB process base, and at the probe's 19,606 connections the pod
+/// needed about 4.7 KB each, so the shard was killed in some runs and held
+/// in others (with GOMEMLIMIT, as `goroutine`, and without, as `custom`).
+/// So the run asks for 9,000 idle connections (about 51.7 MB) and then
+/// 9,000 slow readers at 9,376 B pod each (measured on the real node,
+/// `c10m-operator calibrate --steps 4000,8000 --slow-readers 1000`,
+/// 2026-12-06): about 136 MB asked, the limit passed at about 4,900 slow
+/// readers.
 #[test]
 fn a_calibration_killed_for_memory_says_how_far_it_got() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -1361,7 +1365,7 @@ fn a_calibration_killed_for_memory_says_how_far_it_got() {
     let _op = Operator::start(ns);
     let manifest = calibration_fleet("guess", "custom", "c10m/goecho:0.1.0").replace(
         "    protocol: echo\n",
-        "    protocol: echo\n    userBytesPerConnection: 10\n    calibrate: {}\n",
+        "    protocol: echo\n    userBytesPerConnection: 10\n    calibrate:\n      connections: 9000\n      slowReaders: 9000\n",
     );
     let (ok, out) = apply(ns, &manifest);
     assert!(ok, "{out}");
