@@ -121,13 +121,12 @@ fn real_node() -> Value {
                 None,
             );
             let pods: Value = serde_json::from_slice(&out.stdout).ok()?;
-            let left: Vec<&str> = pods["items"]
-                .as_array()?
-                .iter()
-                .filter_map(|p| p["metadata"]["namespace"].as_str())
-                .filter(|ns| ns.starts_with(E2E_NAMESPACE_PREFIX))
-                .collect();
-            left.is_empty().then_some(())
+            let left = pods["items"].as_array()?.iter().any(|p| {
+                p["metadata"]["namespace"]
+                    .as_str()
+                    .is_some_and(|ns| ns.starts_with(E2E_NAMESPACE_PREFIX))
+            });
+            (!left).then_some(())
         },
     );
     node
