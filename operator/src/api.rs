@@ -292,7 +292,7 @@ pub struct RebalanceSpec {
     pub max_reconnect_rate: i64,
 }
 
-fn default_max_to_mean() -> i32 {
+pub(crate) fn default_max_to_mean() -> i32 {
     120
 }
 fn default_rebalance_window() -> i32 {
@@ -948,7 +948,7 @@ pub struct Placement {
 /// cannot narrow the schema. A unit test pins it together with a SHA-256 of
 /// the CRD's `spec`: change the schema without raising this and that test
 /// fails, naming the new revision and digest to pin.
-pub const CRD_SCHEMA_REVISION: u32 = 6;
+pub const CRD_SCHEMA_REVISION: u32 = 7;
 
 /// The ConnectionFleet CRD as the operator installs it and `make crd`
 /// writes it: the types' CRD (`ConnectionFleet::crd()`) with annotation
@@ -995,8 +995,8 @@ mod tests {
     /// The schema revision and the SHA-256 (hex) of the CRD's canonical
     /// `spec` JSON ([`spec_digest`]) at that revision.
     const PINNED_SCHEMA: (u32, &str) = (
-        6,
-        "93c97dd7645499e90945f49acc93b881bf7c82deb58dd691dd0e80fddd6b4e1c",
+        7,
+        "c1ecd6efbba441b32a7461c27434410ea2457a026c08340c97c939dc933e23fd",
     );
 
     /// `v` as JSON with every object's keys sorted and no whitespace: the

@@ -563,6 +563,17 @@ async fn pipeline(
         .pace(previous, &pace, Timestamp::now(), min_ready); // no client required
     let behind = !status::deployment_observed(&deployment);
     let (rollout, gate) = rollout.hold(gate, min_ready, held, behind, &pace); // no client required
+    let tolerance = fleet
+        .spec
+        .rebalance
+        .as_ref()
+        .map_or(crate::api::default_max_to_mean(), |r| r.max_to_mean_percent);
+    let lease = rollout::limit_lease_seconds(plan.rollout_step_seconds);
+    let (rollout, limits) = rollout.limits(plan.shards, tolerance, lease); // no client required
+    if let Some(limits) = &limits {
+        let took = cordon::limit(&ctx.http, port, &token, limits).await; // client required
+        tracing::debug!(fleet = %name, connections = limits.connections, shards = limits.shards.len(), took, "rollout admission limit sent");
+    }
     let mark = rollout::drain_mark(rollout.status.as_ref(), &deployment, Timestamp::now()); // no client required
     let gate_change = (min_ready != Some(gate)).then_some(gate);
     let deployment = match rollout::gate_patch(gate_change, mark.clone()) {

@@ -148,6 +148,29 @@ pub struct Orders {
     pub vacant: Vec<Shard>,
 }
 
+/// What each updated shard may admit while a rollout moves clients
+/// ([`Rollout::limits`]): `POST /limit` to `shards`, renewed at each
+/// reconcile.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections each shard admits, at most.
+    pub connections: i64,
+    /// Seconds the limit lasts unless renewed ([`limit_lease_seconds`]).
+    pub seconds: i64,
+    /// The updated shards, not terminating, with an IP.
+    pub shards: Vec<Shard>,
+}
+
+/// Seconds a shard's admission limit lasts unless renewed: two of the
+/// cap's steps (`cap_step_seconds`) plus [`REQUEUE_MARGIN_SECONDS`]. A
+/// rollout is reconciled at least once a step (its drain's end is a
+/// requeue deadline, and each step's pods change), so the limit is renewed
+/// before it lapses while the rollout runs, and lapses by itself soon
+/// after it ends, whatever became of the operator.
+pub fn limit_lease_seconds(cap_step_seconds: i64) -> i64 {
+    2 * cap_step_seconds.max(0) + REQUEUE_MARGIN_SECONDS
+}
+
 /// The plan's figures a rollout is paced by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pace {
@@ -364,6 +387,9 @@ impl Rollout {
         // no clients.
         let held = |s: &Shard| s.held.or(s.ip.is_none().then_some(0));
         st.connections_on_old_shards = old.iter().filter_map(|s| held(s)).sum();
+        st.connections_to_move = previous
+            .map_or(0, |p| p.connections_to_move)
+            .max(st.connections_on_old_shards);
         // A step seen in part (fewer shards drain than a step removes):
         // the next removal is its rest, the shards ranked next. Sized as a
         // whole step instead, the rest of the first revision's cordoned
@@ -444,6 +470,61 @@ impl Rollout {
         };
         self.status = Some(st);
         (self, gate.clamp(0, cap) as i32)
+    }
+
+    /// The admission limit of the updated shards while this rollout moves
+    /// clients (after [`Rollout::pace`], which keeps `connectionsToMove`),
+    /// for a fleet of `shards` (the plan's) whose rebalancer tolerates
+    /// `max_to_mean_percent` (spec.rebalance.maxToMeanPercent, 120 by
+    /// default); `None` (and no `shardConnectionLimit`) when nothing is to
+    /// move, an old shard serving has not said what it holds yet, or no
+    /// updated shard has an IP.
+    ///
+    /// Without a limit each step's clients spread over the updated shards
+    /// up by then, so the first steps' shards ended fullest: 131 % of the
+    /// mean after four steps (`make bench-rollout`, 2026-12-06, ADR 0011).
+    /// The limit is connectionsToMove ÷ `shards` × the midpoint of 100 %
+    /// and the tolerance (110 % by default: the hottest shard ends inside
+    /// the tolerance with room for clients that arrive during the roll),
+    /// raised to what the moved clients need on the updated shards up now
+    /// (connectionsToMove − connectionsOnOldShards, over them), so no moved
+    /// client is turned away for lack of room. A client over the limit is
+    /// closed at once by the shard it reached and tries another, as at a
+    /// shard's cap; it was never held, so it is not moved.
+    pub fn limits(
+        mut self,
+        shards: i32,
+        max_to_mean_percent: i32,
+        seconds: i64,
+    ) -> (Rollout, Option<Limits>) {
+        let Some(st) = self.status.as_mut() else {
+            return (self, None);
+        };
+        let updated: Vec<Shard> = (self.shards.iter())
+            .filter(|s| s.updated && !s.terminating && s.ip.is_some())
+            .cloned()
+            .collect();
+        let to_move = st.connections_to_move;
+        // Every old shard serving has said what it holds (or holds nothing,
+        // unplaced): until then `to_move` falls short.
+        let counted = serving_old(&self.shards).all(|s| s.held.is_some() || s.ip.is_none());
+        let under_way = st.old_shards + st.draining_shards > 0;
+        if to_move <= 0 || updated.is_empty() || !counted || !under_way {
+            st.shard_connection_limit = None;
+            return (self, None);
+        }
+        let percent = (100 + i64::from(max_to_mean_percent.max(100))) / 2;
+        let even = div_ceil(to_move * percent, 100 * i64::from(shards.max(1)));
+        let moved = (to_move - st.connections_on_old_shards).max(0);
+        let room = div_ceil(moved, updated.len() as i64);
+        let connections = even.max(room);
+        st.shard_connection_limit = Some(connections);
+        let limits = Limits {
+            connections,
+            seconds,
+            shards: updated,
+        };
+        (self, Some(limits))
     }
 
     /// The rollout and the gate once [`Rollout::pace`] gave `gate`, given
@@ -1019,6 +1100,13 @@ mod tests {
     fn steps_are_paced_by_what_the_old_shards_held() {
         let sets = [rs("1", "old"), rs("2", "new")];
         let old = |n: &str, held| shard_pod(n, "old", -100, held);
+        // The updated shards' admission limit at a tolerance of 120 %:
+        // (connections, seconds, shards sent to), and the status' figure.
+        let limit = |r: &Rollout, tolerance| {
+            let (r, l) = r.clone().limits(4, tolerance, 40);
+            let st = r.status.and_then(|s| s.shard_connection_limit);
+            (l.map(|l| (l.connections, l.seconds, l.shards.len())), st)
+        };
         // Step 1: two updated shards Ready at +3 s, the four old ones
         // cordoned holding 1,000, 950, 400 and (not yet answered) ?.
         let pods = [
@@ -1034,6 +1122,8 @@ mod tests {
         let st = r.status.clone().unwrap();
         assert_eq!(gate, 16, "an old shard is not cordoned yet: the cap's step");
         assert_eq!((st.connections_on_old_shards, st.step_seconds), (2350, 16));
+        assert_eq!(st.connections_to_move, 2350, "o4 counts once it answers");
+        assert_eq!(limit(&r, 120), (None, None), "not all counted yet");
         // o4 answers its cordon holding 980.
         let done = Orders {
             cordon: vec![Shard {
@@ -1043,7 +1133,12 @@ mod tests {
             ..Orders::default()
         };
         let (r, gate) = r.after(&done).pace(None, &PACE, at(4), Some(16));
+        // 3,330 to move over 4 shards at 110 % (the midpoint of 100 % and
+        // the tolerance): 916 each; at a tolerance of 200 %, 150 %.
+        assert_eq!(limit(&r, 120), (Some((916, 40, 2)), Some(916)));
+        assert_eq!(limit(&r, 200).0, Some((1249, 40, 2)));
         let st1 = r.status.unwrap();
+        assert_eq!(st1.connections_to_move, 3330);
         assert_eq!(
             i64::from(gate),
             1 + CORDON_SETTLE_SECONDS,
@@ -1069,7 +1164,10 @@ mod tests {
         ];
         let r = observe(&deployment(4, 4, false), &sets, &pods);
         let (r, gate) = r.pace(Some(&st1), &PACE, at(5), Some(1));
+        // 1,950 moved onto the two updated shards up: room for 975 each.
+        assert_eq!(limit(&r, 120).0, Some((975, 40, 2)));
         let st2 = r.status.unwrap();
+        assert_eq!(st2.connections_to_move, 3330, "the most, kept");
         assert_eq!(st2.last_step_time, Some(Time(at(5))));
         assert_eq!(st2.draining_until, Some(Time(at(16))));
         assert_eq!((st2.draining_shards, st2.closes_per_second), (2, 200));
@@ -1088,6 +1186,7 @@ mod tests {
         ];
         let r = observe(&deployment(4, 4, false), &sets, &pods);
         let (r, gate) = r.pace(Some(&st2), &PACE, at(8), Some(11));
+        assert_eq!(limit(&r, 120).0, Some((916, 40, 4)), "four up: the share");
         let st3 = r.status.unwrap();
         assert_eq!(gate, 8, "Ready at +8 s, available at +16 s");
         assert_eq!(st3.draining_until, st2.draining_until);
@@ -1104,12 +1203,14 @@ mod tests {
         let r = observe(&deployment(4, 4, false), &sets, &pods);
         assert!(!r.under_way());
         let (r, gate) = r.clone().pace(Some(&st3), &PACE, at(16), Some(8));
+        assert_eq!(limit(&r, 120).0, Some((916, 40, 4)), "the last drain");
         let st4 = r.status.unwrap();
         assert_eq!((st4.old_shards, st4.draining_shards), (0, 2));
         assert_eq!(st4.draining_until, Some(Time(at(27))));
         assert_eq!(gate, 11);
         let r = observe(&deployment(4, 4, false), &sets, &pods);
         let (r, gate) = r.pace(Some(&st4), &PACE, at(27), Some(11));
+        assert_eq!(limit(&r, 120), (None, None), "over: nothing limited");
         assert_eq!((r.status, gate), (None, 16));
     }
 

@@ -1,6 +1,7 @@
 //! The admin HTTP/1.1 server: `GET /metrics`, `GET /healthz`, and the
 //! authenticated `POST /drain?rate=R`, `POST /shed?count=N&rate=R`,
-//! `POST /cordon` and `POST /uncordon` (bearer token from [`crate::token`], re-read from its file as it
+//! `POST /cordon`, `POST /uncordon`, `POST /limit?connections=N&seconds=S`
+//! and `POST /unlimit` (bearer token from [`crate::token`], re-read from its file as it
 //! changes).
 //!
 //! Paths and query keys are the operator's contract
@@ -32,8 +33,8 @@ use slab::Slab;
 use socket2::{Domain, Socket, Type};
 
 use c10m_wire::admin::{
-    CORDON_PATH, COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, METRICS_PATH, RATE_KEY, SHED_PATH,
-    UNCORDON_PATH,
+    CONNECTIONS_KEY, CORDON_PATH, COUNT_KEY, DRAIN_PATH, HEALTHZ_PATH, LIMIT_PATH, METRICS_PATH,
+    RATE_KEY, SECONDS_KEY, SHED_PATH, UNCORDON_PATH, UNLIMIT_PATH,
 };
 use subtle::ConstantTimeEq;
 
@@ -162,6 +163,10 @@ pub enum Action {
     /// `POST /cordon` (`true`) or `POST /uncordon` (`false`): readiness
     /// drops (or comes back); held connections stay, accepting goes on.
     Cordon(bool),
+    /// `POST /limit?connections=N&seconds=S`: admit no more than `N`
+    /// connections for `S` seconds (held ones stay); `POST /unlimit`
+    /// (`None`): lift the limit.
+    Limit(Option<(u64, u64)>),
 }
 
 /// Whether `authorization` carries `Bearer <token>`, compared in constant
@@ -210,6 +215,18 @@ pub fn parse_action(path: &str, query: &str) -> Result<Action, &'static str> {
         }
         CORDON_PATH => Ok(Action::Cordon(true)),
         UNCORDON_PATH => Ok(Action::Cordon(false)),
+        LIMIT_PATH => {
+            let connections = number::<u64>(query, CONNECTIONS_KEY)
+                .map_err(|()| "connections must be an integer >= 0")?
+                .ok_or("connections is required")?;
+            let seconds = number::<u64>(query, SECONDS_KEY)
+                .ok()
+                .flatten()
+                .filter(|s| *s >= 1)
+                .ok_or("seconds is required, an integer >= 1")?;
+            Ok(Action::Limit(Some((connections, seconds))))
+        }
+        UNLIMIT_PATH => Ok(Action::Limit(None)),
         _ => Err("unknown action"),
     }
 }
@@ -255,7 +272,10 @@ pub fn route_checked(
 ) -> Response {
     let (method, target) = (req.method.as_str(), req.target.as_str());
     let path = target.split(['?', '#']).next().unwrap_or(target);
-    if matches!(path, DRAIN_PATH | SHED_PATH | CORDON_PATH | UNCORDON_PATH) {
+    if matches!(
+        path,
+        DRAIN_PATH | SHED_PATH | CORDON_PATH | UNCORDON_PATH | LIMIT_PATH | UNLIMIT_PATH
+    ) {
         if method != "POST" {
             let mut r = Response::text(405, "method not allowed");
             r.headers.push(("Allow", "POST"));
@@ -732,8 +752,12 @@ fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
     };
     let encode = |f| {
         metrics.refresh_system();
+        let admitting = shared.admitting(Instant::now());
+        metrics
+            .limit
+            .set(i64::try_from(admitting).unwrap_or(i64::MAX));
         if let Some(o) = shared.order() {
-            let left = if o.over(std::time::Instant::now()) {
+            let left = if o.over(Instant::now()) {
                 0
             } else {
                 o.count.saturating_sub(o.taken()).min(shared.serving())
@@ -785,6 +809,18 @@ fn act(state: &AdminState, action: Action) -> String {
                 if on { "cordon" } else { "uncordon" },
                 shared.serving()
             )
+        }
+        Action::Limit(limit) => {
+            let now = Instant::now();
+            let order = limit.map(|(n, s)| (n, Duration::from_secs(s)));
+            shared.set_limit(order, now);
+            match limit {
+                Some((n, s)) => format!(
+                    "{{\"action\":\"limit\",\"connections\":{n},\"seconds\":{s},\"live\":{}}}",
+                    shared.serving()
+                ),
+                None => format!("{{\"action\":\"unlimit\",\"live\":{}}}", shared.serving()),
+            }
         }
     }
 }
@@ -931,6 +967,50 @@ mod tests {
         assert_eq!((probe.status, probe.body.as_str()), (503, "cordoned\n"));
         let scrape = route(&req("GET", "/metrics"), Health::Cordoned, &m);
         assert_eq!(scrape.status, 200, "a cordoned shard is still scraped");
+    }
+
+    /// `POST /limit` needs both its connections and a lapse of at least a
+    /// second, and its token; `POST /unlimit` lifts it.
+    #[test]
+    fn a_limit_needs_connections_and_seconds_and_an_unlimit_lifts_it() {
+        assert_eq!(
+            parse_action("/limit", "connections=1100&seconds=30"),
+            Ok(Action::Limit(Some((1100, 30))))
+        );
+        assert_eq!(parse_action("/unlimit", ""), Ok(Action::Limit(None)));
+        for (query, error) in [
+            ("seconds=30", "connections is required"),
+            (
+                "connections=-1&seconds=30",
+                "connections must be an integer >= 0",
+            ),
+            ("connections=10", "seconds is required, an integer >= 1"),
+            (
+                "connections=10&seconds=0",
+                "seconds is required, an integer >= 1",
+            ),
+            (
+                "connections=10&seconds=x",
+                "seconds is required, an integer >= 1",
+            ),
+        ] {
+            assert_eq!(parse_action("/limit", query), Err(error), "{query}");
+        }
+        let mut r = req("POST", "/limit?connections=5&seconds=9");
+        r.authorization = Some("Bearer tok".into());
+        let mut got = None;
+        let answer = super::route(&r, Health::Serving, Some("tok"), &m, &mut |a| {
+            got = Some(a);
+            "{}".into()
+        });
+        assert_eq!(
+            (answer.status, got),
+            (202, Some(Action::Limit(Some((5, 9)))))
+        );
+        r.target = "/limit?connections=5".into();
+        assert_eq!(route(&r, Health::Serving, &m).status, 400);
+        r.authorization = None;
+        assert_eq!(route(&r, Health::Serving, &m).status, 401);
     }
 
     #[test]

@@ -1,16 +1,18 @@
 //! What the workers, the admin thread and the main thread share: admission
-//! under the process-wide connection cap, the draining flag, the drain
+//! under the process-wide connection cap and a rollout's lapsing limit
+//! (`POST /limit`), the draining flag, the drain
 //! deadline, and the running close order (drain or shed) with the wakers
 //! that tell the workers about it. Nothing here does I/O except waking the
 //! workers' event loops.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mio::Waker;
 
 use crate::conn::CloseReason;
+use crate::metrics::RejectReason;
 
 /// An order to close connections at a bounded rate: a drain (SIGTERM or
 /// `POST /drain`, every connection) or a shed (`POST /shed`, `count` of
@@ -142,6 +144,10 @@ pub struct Shared {
     /// can take them.
     closing: AtomicU64,
     cap: u64,
+    /// Admission limit of `POST /limit` (`u64::MAX`: none), in force until
+    /// `limit_until`.
+    limit: AtomicU64,
+    limit_until: Mutex<Option<Instant>>,
     draining: Arc<AtomicBool>,
     /// Cordoned by `POST /cordon`: readiness drops, nothing else changes.
     cordoned: AtomicBool,
@@ -160,6 +166,8 @@ impl Shared {
             live: AtomicU64::new(0),
             closing: AtomicU64::new(0),
             cap,
+            limit: AtomicU64::new(u64::MAX),
+            limit_until: Mutex::new(None),
             draining,
             cordoned: AtomicBool::new(false),
             force: AtomicBool::new(false),
@@ -169,14 +177,66 @@ impl Shared {
         }
     }
 
-    /// Claims a slot for one more connection, unless the cap is reached.
-    /// Never lets the count exceed the cap, however many workers race.
-    pub fn try_admit(&self) -> bool {
-        self.live
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.cap).then_some(n + 1)
-            })
-            .is_ok()
+    /// Claims a slot for one more connection, unless the cap is reached
+    /// ([`RejectReason::Capacity`]) or the limit in force
+    /// ([`RejectReason::Limit`]). Never lets the count exceed either,
+    /// however many workers race. The limit's lapse is checked only when it
+    /// would turn a connection away, so admission stays two atomic loads.
+    pub fn try_admit(&self) -> Result<(), RejectReason> {
+        loop {
+            let limit = self.limit.load(Ordering::Acquire);
+            let bound = self.cap.min(limit);
+            let claimed = self
+                .live
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < bound).then_some(n + 1)
+                });
+            match claimed {
+                Ok(_) => return Ok(()),
+                Err(n) if n < self.cap && limit < self.cap => {
+                    if !self.lapse(limit, Instant::now()) {
+                        return Err(RejectReason::Limit);
+                    }
+                }
+                Err(_) => return Err(RejectReason::Capacity),
+            }
+        }
+    }
+
+    /// Lifts `limit` if it is still the one in force and its time is over
+    /// at `now`; true when no limit is in force any more (lifted here, or
+    /// replaced or lifted meanwhile: admission is tried again).
+    fn lapse(&self, limit: u64, now: Instant) -> bool {
+        let mut until = self.limit_until.lock().unwrap_or_else(|e| e.into_inner());
+        if self.limit.load(Ordering::Acquire) != limit {
+            return true;
+        }
+        if until.is_some_and(|u| now < u) {
+            return false;
+        }
+        *until = None;
+        self.limit.store(u64::MAX, Ordering::Release);
+        true
+    }
+
+    /// Sets the admission limit (`POST /limit`): at most `connections`
+    /// live, for `seconds` from `now`; `None` lifts it (`POST /unlimit`).
+    /// Held connections above it stay: only admission stops.
+    pub fn set_limit(&self, limit: Option<(u64, Duration)>, now: Instant) {
+        let mut until = self.limit_until.lock().unwrap_or_else(|e| e.into_inner());
+        *until = limit.map(|(_, d)| now + d);
+        let n = limit.map_or(u64::MAX, |(n, _)| n);
+        self.limit.store(n, Ordering::Release);
+    }
+
+    /// The connections admitted now, at most: the cap, or a lower limit in
+    /// force at `now` (a lapsed one is lifted here).
+    pub fn admitting(&self, now: Instant) -> u64 {
+        let limit = self.limit.load(Ordering::Acquire);
+        if limit < self.cap && self.lapse(limit, now) {
+            return self.cap;
+        }
+        self.cap.min(limit)
     }
 
     /// Gives back the slot of a closed connection.
@@ -291,37 +351,74 @@ mod tests {
             let hs: Vec<_> = (0..4)
                 .map(|_| {
                     let shared = &shared;
-                    s.spawn(move || (0..600).filter(|_| shared.try_admit()).count() as u64)
+                    s.spawn(move || (0..600).filter(|_| shared.try_admit().is_ok()).count() as u64)
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).sum()
         });
         assert_eq!(admitted, 1000);
         assert_eq!(shared.live(), 1000);
-        assert!(!shared.try_admit());
+        assert_eq!(shared.try_admit(), Err(RejectReason::Capacity));
         shared.release();
         assert_eq!(shared.live(), 999);
-        assert!(shared.try_admit());
-        assert!(!shared.try_admit());
+        assert!(shared.try_admit().is_ok());
+        assert!(shared.try_admit().is_err());
     }
 
     #[test]
     fn closing_connections_hold_their_slot_but_do_not_serve() {
         let shared = Shared::new(2, Arc::new(AtomicBool::new(false)));
-        assert!(shared.try_admit() && shared.try_admit());
+        assert!(shared.try_admit().is_ok() && shared.try_admit().is_ok());
         shared.begin_closing();
         assert_eq!((shared.live(), shared.serving()), (2, 1));
-        assert!(!shared.try_admit(), "a closing connection keeps its slot");
+        assert!(
+            shared.try_admit().is_err(),
+            "a closing connection keeps its slot"
+        );
         shared.release_closing();
         assert_eq!((shared.live(), shared.serving()), (1, 1));
-        assert!(shared.try_admit());
+        assert!(shared.try_admit().is_ok());
     }
 
     #[test]
     fn zero_cap_admits_nothing() {
         let shared = Shared::new(0, Arc::new(AtomicBool::new(false)));
-        assert!(!shared.try_admit());
+        assert!(shared.try_admit().is_err());
         assert_eq!(shared.live(), 0);
+    }
+
+    /// A limit turns connections away above it and keeps the held ones; it
+    /// lapses by itself once its time is over, can be replaced, and can be
+    /// lifted; the cap still binds under a higher limit.
+    #[test]
+    fn a_limit_turns_away_above_it_until_it_lapses_or_is_lifted() {
+        let shared = Shared::new(5, Arc::new(AtomicBool::new(false)));
+        for _ in 0..3 {
+            shared.try_admit().unwrap();
+        }
+        let now = Instant::now();
+        shared.set_limit(Some((2, Duration::from_secs(60))), now);
+        assert_eq!(shared.try_admit(), Err(RejectReason::Limit));
+        assert_eq!(shared.live(), 3, "held connections stay");
+        assert_eq!(shared.admitting(now), 2);
+        shared.release();
+        shared.release();
+        assert!(shared.try_admit().is_ok(), "below the limit");
+        assert_eq!(shared.try_admit(), Err(RejectReason::Limit));
+        // Its time over: lifted, and the cap binds again.
+        assert_eq!(shared.admitting(now + Duration::from_secs(61)), 5);
+        assert!(shared.try_admit().is_ok());
+        // A limit already past its time lifts itself at the next refusal.
+        shared.set_limit(Some((2, Duration::ZERO)), now);
+        assert!(shared.try_admit().is_ok(), "a lapsed limit admits");
+        assert_eq!(shared.live(), 4);
+        // Above the cap, the cap turns away; a lift restores the cap.
+        shared.set_limit(Some((100, Duration::from_secs(60))), Instant::now());
+        assert!(shared.try_admit().is_ok());
+        assert_eq!(shared.try_admit(), Err(RejectReason::Capacity));
+        shared.set_limit(Some((1, Duration::from_secs(60))), Instant::now());
+        shared.set_limit(None, Instant::now());
+        assert_eq!(shared.admitting(Instant::now()), 5);
     }
 
     #[test]

@@ -97,11 +97,14 @@ pub enum RejectReason {
     /// The server is draining: during its accept window a new connection is
     /// answered with a protocol goodbye and closed ([`crate::door`]).
     Draining,
+    /// A rollout's admission limit (`POST /limit`) was reached, below the
+    /// cap.
+    Limit,
 }
 
 impl RejectReason {
     /// Every reason, in label order.
-    pub const ALL: [RejectReason; 3] = [Self::Capacity, Self::FdLimit, Self::Draining];
+    pub const ALL: [RejectReason; 4] = [Self::Capacity, Self::FdLimit, Self::Draining, Self::Limit];
 
     /// The `reason` label value.
     pub fn as_str(self) -> &'static str {
@@ -109,6 +112,7 @@ impl RejectReason {
             Self::Capacity => "capacity",
             Self::FdLimit => "fd_limit",
             Self::Draining => "draining",
+            Self::Limit => "limit",
         }
     }
 }
@@ -222,6 +226,9 @@ pub struct Metrics {
     /// `c10m_connections_capacity`: the connection cap in force, in
     /// connections (after lowering it to fit the descriptor limit).
     pub capacity: Gauge,
+    /// `c10m_connections_limit`: the connections admitted now, at most:
+    /// the cap, or a rollout's lower limit in force (`POST /limit`).
+    pub limit: Gauge,
     /// `c10m_fd_limit`: RLIMIT_NOFILE soft limit in force, in descriptors.
     pub fd_limit: Gauge,
     /// `c10m_draining`: 1 once SIGTERM/SIGINT started the drain, else 0.
@@ -295,6 +302,7 @@ impl Metrics {
             closed: Family::default(),
             rejected: Family::default(),
             capacity: Gauge::default(),
+            limit: Gauge::default(),
             fd_limit: Gauge::default(),
             draining: Gauge::default(),
             cordoned: Gauge::default(),
@@ -334,13 +342,18 @@ impl Metrics {
         );
         registry.register(
             "c10m_connections_rejected",
-            "Connections accepted and closed at once, by reason (capacity, fd_limit, draining)",
+            "Connections accepted and closed at once, by reason (capacity, fd_limit, draining, limit)",
             m.rejected.clone(),
         );
         registry.register(
             "c10m_connections_capacity",
             "Cap on live connections in this process",
             m.capacity.clone(),
+        );
+        registry.register(
+            "c10m_connections_limit",
+            "Connections admitted now, at most: the cap, or a rollout's lower limit in force (POST /limit)",
+            m.limit.clone(),
         );
         registry.register(
             "c10m_fd_limit",
@@ -590,6 +603,8 @@ mod tests {
             "c10m_connections_rejected_total{reason=\"capacity\"} 5",
             "c10m_connections_rejected_total{reason=\"fd_limit\"} 0",
             "c10m_connections_capacity 19960",
+            "c10m_connections_limit 0",
+            "c10m_connections_rejected_total{reason=\"limit\"} 0",
             "c10m_fd_limit 20000",
             "c10m_draining 0",
             "c10m_cordoned 0",

@@ -358,12 +358,13 @@ impl Worker {
         }
     }
 
-    /// Holds `stream` if the cap allows, else closes it (counted as rejected).
+    /// Holds `stream` if the cap and the limit in force allow, else closes
+    /// it (counted as rejected, by which of the two).
     fn admit(&mut self, conns: &mut Conns, stream: TcpStream, now: u32) {
-        if !self.shared.try_admit() {
+        if let Err(reason) = self.shared.try_admit() {
             // Closing sends FIN: the client reads EOF, no reset.
             drop(stream);
-            self.metrics.rejected(RejectReason::Capacity).inc();
+            self.metrics.rejected(reason).inc();
             return;
         }
         // Echo answers small writes; do not let Nagle hold them back.

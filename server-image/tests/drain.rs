@@ -238,3 +238,65 @@ fn a_shed_order_for_more_than_is_live_ends_and_spares_later_clients() {
         server.wait_metrics("none live", |m| sum(m, "c10m_connections") == 0.0);
     }
 }
+
+/// A rollout's limit (`POST /limit`, ADR 0011): with 30 held and a limit
+/// of 20, every new client is closed at once (EOF, counted as rejected
+/// with reason `limit`), while the 30 held keep echoing and the shard stays
+/// ready; below the limit it admits again, and once lifted (or lapsed) up
+/// to the cap.
+#[test]
+fn a_limit_turns_new_clients_away_keeps_the_held_and_lapses() {
+    let server = ws_server(2, &[]);
+    let mut held: Vec<TcpStream> = (0..30).map(|_| ws_connect(&server)).collect();
+    server.wait_metrics("30 live", |m| sum(m, "c10m_connections") == 30.0);
+    assert_eq!(server.post("/limit?connections=20&seconds=60", None).0, 401);
+    assert_eq!(server.post("/limit?connections=20", Some(TOKEN)).0, 400);
+    let (status, body) = server.post("/limit?connections=20&seconds=60", Some(TOKEN));
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        body.contains("\"connections\":20") && body.contains("\"live\":30"),
+        "{body}"
+    );
+    for _ in 0..5 {
+        assert_eof(&mut server.connect());
+    }
+    let m = server.wait_metrics("5 turned away by the limit", |m| {
+        sample(m, "c10m_connections_rejected_total{reason=\"limit\"}") == Some(5.0)
+    });
+    assert_eq!(value(&m, "c10m_connections_limit"), 20.0);
+    assert_eq!(sum(&m, "c10m_connections"), 30.0, "the held stay");
+    assert_eq!(
+        server.http("GET", "/healthz", None).unwrap().0,
+        200,
+        "still ready"
+    );
+    for c in &mut held {
+        ws_echo(c, b"held through the limit");
+    }
+    // Below the limit again: admitted.
+    drop(held.split_off(15));
+    server.wait_metrics("15 live", |m| sum(m, "c10m_connections") == 15.0);
+    let mut fresh = ws_connect(&server);
+    ws_echo(&mut fresh, b"under the limit");
+    // Lifted: up to the cap.
+    let (status, body) = server.post("/limit?connections=0&seconds=60", Some(TOKEN));
+    assert_eq!(status, 202, "{body}");
+    assert_eof(&mut server.connect());
+    assert_eq!(server.post("/unlimit", Some(TOKEN)).0, 202);
+    let mut after = ws_connect(&server);
+    ws_echo(&mut after, b"lifted");
+    // Lapsed: a limit of 1 s turns away, then admits by itself.
+    assert_eq!(
+        server.post("/limit?connections=0&seconds=1", Some(TOKEN)).0,
+        202
+    );
+    assert_eof(&mut server.connect());
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut lapsed = ws_connect(&server);
+    ws_echo(&mut lapsed, b"lapsed");
+    let m = server.metrics();
+    assert_eq!(
+        value(&m, "c10m_connections_limit"),
+        value(&m, "c10m_connections_capacity")
+    );
+}

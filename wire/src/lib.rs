@@ -134,6 +134,22 @@ pub mod admin {
     /// `POST`, bearer token: lift [`CORDON_PATH`] (`/healthz` answers 200
     /// again unless draining).
     pub const UNCORDON_PATH: &str = "/uncordon";
+    /// `POST`, bearer token: admit no more than `?connections=` (integer
+    /// ≥ 0) connections, closing none of those held, for `?seconds=`
+    /// (integer ≥ 1), after which the limit lapses by itself. A new order
+    /// replaces the last one. A rollout limits its updated shards so the
+    /// clients its drains move spread over them evenly (ADR 0011); the
+    /// lapse means a limit never outlives the operator that keeps renewing
+    /// it. A client turned away by the limit is closed at once, as at the
+    /// cap (`c10m_connections_rejected_total{reason="limit"}`).
+    pub const LIMIT_PATH: &str = "/limit";
+    /// `POST`, bearer token: lift [`LIMIT_PATH`] at once.
+    pub const UNLIMIT_PATH: &str = "/unlimit";
+    /// Query key of [`LIMIT_PATH`]: connections admitted (integer ≥ 0).
+    pub const CONNECTIONS_KEY: &str = "connections";
+    /// Query key of [`LIMIT_PATH`]: seconds until the limit lapses
+    /// (integer ≥ 1).
+    pub const SECONDS_KEY: &str = "seconds";
     /// Query key of [`SHED_PATH`]: connections to close (integer ≥ 0).
     pub const COUNT_KEY: &str = "count";
     /// Query key of [`DRAIN_PATH`] and [`SHED_PATH`]: connections/s (≥ 0).

@@ -612,6 +612,20 @@ pub struct RolloutStatus {
     /// is an upper bound; shards not cordoned yet are not counted).
     #[serde(default)]
     pub connections_on_old_shards: i64,
+    /// Connections this rollout moves: the most `connectionsOnOldShards`
+    /// has been since the rollout began (all old shards cordoned), which
+    /// sizes `shardConnectionLimit`.
+    #[serde(default)]
+    pub connections_to_move: i64,
+    /// The most connections each updated shard admits while the rollout
+    /// moves clients (`POST /limit` on its admin endpoint, renewed at each
+    /// reconcile, lapsing by itself when no longer renewed), so the moved
+    /// clients spread evenly over them: connectionsToMove ÷ plan.shards ×
+    /// the midpoint of 100 % and spec.rebalance.maxToMeanPercent, raised
+    /// so the updated shards up now can hold every client moved so far.
+    /// Absent while nothing is to move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_connection_limit: Option<i64>,
     /// Seconds the next step's shards need to close what they hold at
     /// plan.drainRate (the most any of them held when cordoned, plus half a
     /// second for clients that raced the cordon, rounded up), at most

@@ -1,5 +1,5 @@
-//! Cordon (client required): carries out a rollout's [`Orders`] on the
-//! shards. Each order goes to the shard's admin endpoint (`POST /cordon`
+//! Cordon (client required): carries out a rollout's [`Orders`] and
+//! [`crate::rollout::Limits`] on the shards. Each order goes to the shard's admin endpoint (`POST /cordon`
 //! or `/uncordon`, bearer token); once the shard has answered, the pod's
 //! [`CORDONED_ANNOTATION`] records it (set to the connections the shard
 //! reported holding, or removed), so the order is sent once, survives a
@@ -27,7 +27,9 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use tracing::{debug, info, warn};
 
-use c10m_wire::admin::{CORDON_PATH, HEALTHZ_PATH, UNCORDON_PATH};
+use c10m_wire::admin::{
+    CONNECTIONS_KEY, CORDON_PATH, HEALTHZ_PATH, LIMIT_PATH, SECONDS_KEY, UNCORDON_PATH,
+};
 
 use super::Error;
 use crate::autoscale::act;
@@ -104,6 +106,38 @@ pub async fn carry_out(
         }
     }
     Ok(done)
+}
+
+/// Sends `limits` to the updated shards of a rollout (`POST /limit` on
+/// admin `port`, bearer `token`; [`crate::rollout::Rollout::limits`]) and
+/// returns how many took it. Nothing is recorded: each reconcile of a
+/// rollout sends it again, and it lapses by itself once the rollout ends.
+/// A shard that does not take it (its server not up yet, or without the
+/// order: a user's server that implements only the cordon) is logged and
+/// admits up to its cap; the rollout goes on either way.
+pub async fn limit(
+    http: &reqwest::Client,
+    port: i32,
+    token: &str,
+    limits: &crate::rollout::Limits,
+) -> usize {
+    let target = format!(
+        "{LIMIT_PATH}?{CONNECTIONS_KEY}={}&{SECONDS_KEY}={}",
+        limits.connections,
+        limits.seconds.max(1)
+    );
+    let mut took = 0;
+    for shard in &limits.shards {
+        let Some(ip) = &shard.ip else { continue };
+        match act::post(http, &shard.name, ip, port, token, &target).await {
+            Ok(_) => took += 1,
+            Err(e) if act::refused(&e) => {}
+            Err(e) => {
+                debug!(pod = %shard.name, error = %e, "admission limit not taken; sent again on the next reconcile")
+            }
+        }
+    }
+    took
 }
 
 /// Whether one of the `landing` shards answers its readiness probe
