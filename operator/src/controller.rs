@@ -77,6 +77,18 @@ impl<K> Kept for K where
 {
 }
 
+/// How every watch of the operator starts: its initial state streamed as
+/// watch events (`sendInitialEvents`, the API server's `WatchList`, beta
+/// and on by default since Kubernetes 1.32), not listed in pages of 500
+/// that are read and parsed whole. A list page of Deployments is about 5 MB
+/// of JSON and 12 MB parsed; a streamed object is parsed alone, so a start
+/// or a relist no longer holds a page of every kind at once. An API server
+/// without it answers the watch with an error and the watcher retries
+/// (kube-runtime `InitialListStrategy::StreamingList`).
+fn watch_config() -> watcher::Config {
+    watcher::Config::default().streaming_lists()
+}
+
 /// The objects `api` holds under `wc` as they change, each made `lean`
 /// and kept in `writer`'s store before it triggers anything ([`keep`]).
 fn stored<K: Kept>(
@@ -95,7 +107,7 @@ fn owned<K: Kept + serde::Serialize>(
     api: Api<K>,
     writer: reflector::store::Writer<Stored<K>>,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
-    let wc = watcher::Config::default().labels(MANAGED_BY_SELECTOR);
+    let wc = watch_config().labels(MANAGED_BY_SELECTOR);
     keep_compact(watcher(api, wc), writer)
 }
 
@@ -610,7 +622,7 @@ pub async fn run_controller(
         namespace = namespace.as_deref().unwrap_or("<all>"),
         "c10m-operator controller starting"
     );
-    let fleet_events = stored(fleets, watcher::Config::default(), lean, fleet_writer)
+    let fleet_events = stored(fleets, watch_config(), lean, fleet_writer)
         .predicate_filter(spec_change_hash, PredicateConfig::default());
     let controller = Controller::for_stream(fleet_events, fleet_store)
         .with_config(controller::Config::default().concurrency(CONCURRENCY))
@@ -630,7 +642,7 @@ pub async fn run_controller(
     // relist. The epoch is bumped after `reflect`, never before: a profile
     // worked out at the new epoch must see the change (so not `keep`, whose
     // stages have no place for it between).
-    let node_events = watcher(Api::<Node>::all(client), watcher::Config::default())
+    let node_events = watcher(Api::<Node>::all(client), watch_config())
         .modify(lean_node)
         .reflect(node_writer)
         .inspect_ok({

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::Api;
 use kube::api::ListParams;
+use kube::{Api, Resource};
 
 use super::drift::{self, ShardKernel};
 use super::prometheus::{Expected, FleetMetrics, MetricsError, Reader};
@@ -140,12 +140,14 @@ pub async fn own_pods(
     if pods.items.is_empty() {
         return Ok(Vec::new());
     }
+    // Ownership is all that is read of the Deployment and its
+    // ReplicaSets: their metadata alone, not their pod templates.
     let client = api.clone().into_client();
     let deployment = Api::<Deployment>::namespaced(client.clone(), ns)
-        .get_opt(fleet)
+        .get_metadata_opt(fleet)
         .await?;
     let sets = Api::<ReplicaSet>::namespaced(client, ns)
-        .list(&by_label)
+        .list_metadata(&by_label)
         .await?;
     let own = own_replica_sets(deployment.as_ref(), fleet_uid, &sets.items);
     Ok(pods
@@ -167,18 +169,19 @@ fn controller_uid(meta: &ObjectMeta) -> Option<&str> {
 
 /// Uids of the ReplicaSets among `sets` that `deployment` controls, when the
 /// fleet `fleet_uid` controls that Deployment (else none).
-pub fn own_replica_sets<'a>(
-    deployment: Option<&Deployment>,
+/// Reads their metadata only: whole objects or their metadata alone.
+pub fn own_replica_sets<'a, D: Resource, R: Resource>(
+    deployment: Option<&D>,
     fleet_uid: &str,
-    sets: &'a [ReplicaSet],
+    sets: &'a [R],
 ) -> HashSet<&'a str> {
-    let Some(dep) = deployment.filter(|d| controller_uid(&d.metadata) == Some(fleet_uid)) else {
+    let Some(dep) = deployment.filter(|d| controller_uid(d.meta()) == Some(fleet_uid)) else {
         return HashSet::new();
     };
-    let dep_uid = dep.metadata.uid.as_deref().unwrap_or_default();
+    let dep_uid = dep.meta().uid.as_deref().unwrap_or_default();
     sets.iter()
-        .filter(|rs| !dep_uid.is_empty() && controller_uid(&rs.metadata) == Some(dep_uid))
-        .filter_map(|rs| rs.metadata.uid.as_deref())
+        .filter(|rs| !dep_uid.is_empty() && controller_uid(rs.meta()) == Some(dep_uid))
+        .filter_map(|rs| rs.meta().uid.as_deref())
         .collect()
 }
 
@@ -233,6 +236,8 @@ impl From<Pod> for ShardPod {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::core::PartialObjectMeta;
+    use kube::core::PartialObjectMetaExt;
 
     fn pod(phase: &str, ready: &str, deleting: bool) -> Pod {
         let mut meta = serde_json::json!({"name": "p", "labels": {FLEET_LABEL: "f"}});
@@ -280,7 +285,17 @@ mod tests {
         );
         // A Deployment of that name the fleet does not control owns nothing.
         assert!(own_replica_sets(Some(&dep), "another-fleet", &sets).is_empty());
-        assert!(own_replica_sets(None, "fleet-uid", &sets).is_empty());
+        assert!(own_replica_sets(None::<&Deployment>, "fleet-uid", &sets).is_empty());
+        // Their metadata alone, as the metrics loop lists them, say the same.
+        let metas: Vec<PartialObjectMeta<ReplicaSet>> = sets
+            .iter()
+            .map(|rs| rs.metadata.clone().into_response_partial())
+            .collect();
+        let dep_meta: PartialObjectMeta<Deployment> = dep.metadata.clone().into_response_partial();
+        assert_eq!(
+            own_replica_sets(Some(&dep_meta), "fleet-uid", &metas),
+            HashSet::from(["rs-1", "rs-2"])
+        );
     }
 
     #[test]

@@ -168,6 +168,10 @@ struct Guard {
     min_available: u64,
     operator_pid: Mutex<Option<u32>>,
     rss_peak: Mutex<u64>,
+    /// The phase under way, and the operator's RSS peak in each phase so
+    /// far (`operatorRssBytes.peakByPhase`): which phase sets the peak.
+    phase: Mutex<&'static str>,
+    phase_peaks: Mutex<BTreeMap<&'static str, u64>>,
     aborted: Mutex<Option<String>>,
 }
 
@@ -193,6 +197,10 @@ impl Guard {
         {
             let mut peak = self.rss_peak.lock().unwrap();
             *peak = (*peak).max(rss);
+            let phase = *self.phase.lock().unwrap();
+            let mut peaks = self.phase_peaks.lock().unwrap();
+            let in_phase = peaks.entry(phase).or_default();
+            *in_phase = (*in_phase).max(rss);
             if rss > self.max_rss {
                 self.abort(format!(
                     "the operator's RSS {} MiB passed {} MiB",
@@ -210,6 +218,12 @@ impl Guard {
                 self.min_available >> 20
             ));
         }
+    }
+
+    /// The run enters `phase` (its RSS samples count towards it).
+    fn enter(&self, phase: &'static str) {
+        eprintln!("bench-scale: {phase}");
+        *self.phase.lock().unwrap() = phase;
     }
 
     fn abort(&self, why: String) {
@@ -1033,20 +1047,24 @@ async fn run(run: &mut Run<'_>, r: &mut Report) -> Result<()> {
     wait_until(&run.guard, "the CRD", Duration::from_secs(60), crd_ok).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     watch_fleets(run.fleets.clone(), run.book.clone());
-    eprintln!("bench-scale: ramp ({} fleets at {}/s)", a.fleets, a.rate);
+    eprintln!("bench-scale: {} fleets at {}/s", a.fleets, a.rate);
+    run.guard.enter("ramp");
     run.ramp(r).await?;
-    eprintln!("bench-scale: quiet window ({} s)", a.quiet_seconds);
+    eprintln!("bench-scale: {} s", a.quiet_seconds);
+    run.guard.enter("quiet");
     run.quiet(r).await?;
-    eprintln!("bench-scale: restart");
+    run.guard.enter("restart");
     run.restart(r).await?;
-    eprintln!("bench-scale: re-plan ({} fleets)", a.replan);
+    eprintln!("bench-scale: {} fleets", a.replan);
+    run.guard.enter("replan");
     run.replan(r).await?;
     eprintln!(
-        "bench-scale: metrics loop (every fleet, a {} s sync)",
+        "bench-scale: every fleet, a {} s sync",
         a.metrics_sync_seconds
     );
+    run.guard.enter("metricsLoop");
     run.metrics_loop(r).await?;
-    eprintln!("bench-scale: burst");
+    run.guard.enter("burst");
     run.burst(r).await
 }
 
@@ -1096,6 +1114,8 @@ async fn main() -> Result<()> {
         min_available: a.min_available_mib << 20,
         operator_pid: Mutex::new(None),
         rss_peak: Mutex::new(0),
+        phase: Mutex::new("start"),
+        phase_peaks: Mutex::new(BTreeMap::new()),
         aborted: Mutex::new(None),
     });
     // The watchdog (tools/watchdog.sh) or a user's ^C: stop, clean up and
@@ -1154,11 +1174,14 @@ async fn main() -> Result<()> {
             .await;
     }
     let peak = *guard.rss_peak.lock().unwrap();
-    r.0.entry("operatorRssBytes")
-        .or_insert(json!({"steady": null}))
-        .as_object_mut()
-        .unwrap()
-        .insert("peak".into(), json!(peak));
+    let by_phase = guard.phase_peaks.lock().unwrap().clone();
+    let rss =
+        r.0.entry("operatorRssBytes")
+            .or_insert(json!({"steady": null}))
+            .as_object_mut()
+            .unwrap();
+    rss.insert("peak".into(), json!(peak));
+    rss.insert("peakByPhase".into(), json!(by_phase));
     r.set("runSeconds", json!(round2(started.elapsed().as_secs_f64())));
     let aborted = match &outcome {
         Ok(()) => Value::Null,
