@@ -1,8 +1,9 @@
 //! Cordon (client required): carries out a rollout's [`Orders`] and
-//! [`crate::rollout::Limits`] on the shards. Each order goes to the shard's admin endpoint (`POST /cordon`
-//! or `/uncordon`, bearer token); once the shard has answered, the pod's
-//! [`CORDONED_ANNOTATION`] records it (set to the connections the shard
-//! reported holding, or removed), so the order is sent once, survives a
+//! [`crate::rollout::Limits`] on the shards. Each order goes to the
+//! shard's admin endpoint (`POST /cordon` or `/uncordon`, bearer token);
+//! once the shard has answered, the pod's [`CORDONED_ANNOTATION`] records
+//! it (set to the connections the shard reported holding, or removed), so
+//! the cordon order is sent once, survives a
 //! restart or a change of leader, and what the shard must still close
 //! paces the rollout ([`crate::rollout::Rollout::pace`]). A cordoned shard
 //! also gets a pod-deletion-cost of minus what it held, so its ReplicaSet
