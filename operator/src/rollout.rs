@@ -224,6 +224,13 @@ fn next_step<'a>(old: &[&'a Shard], surge: i64) -> impl Iterator<Item = &'a Shar
         .filter(move |s| last.is_some_and(|l| rank(s) <= l))
 }
 
+/// What an old shard holds, as far as known: what it reported at its cordon
+/// (0 when vacant), or 0 without an IP (its pod not yet placed or started
+/// holds no clients); `None` while its count is unknown.
+fn held(s: &Shard) -> Option<i64> {
+    s.held.or(s.ip.is_none().then_some(0))
+}
+
 /// `n ÷ d` rounded up, for `n ≥ 0` and `d ≥ 1`.
 fn div_ceil(n: i64, d: i64) -> i64 {
     (n.max(0) + d.max(1) - 1) / d.max(1)
@@ -383,9 +390,6 @@ impl Rollout {
         st.last_step_time = last_step.map(Time);
         st.draining_until = until.map(Time);
         let old: Vec<&Shard> = serving_old(&self.shards).collect();
-        // A shard without an IP (its pod not yet placed or started) holds
-        // no clients.
-        let held = |s: &Shard| s.held.or(s.ip.is_none().then_some(0));
         st.connections_on_old_shards = old.iter().filter_map(|s| held(s)).sum();
         st.connections_to_move = previous
             .map_or(0, |p| p.connections_to_move)
@@ -445,9 +449,7 @@ impl Rollout {
         // this step with the others (its surge) or for a scale-out.
         let starting = (self.shards.iter()).any(|s| s.updated && !s.ready && !s.terminating);
         // Cordoned, vacant (a count without a cordon) or not placed.
-        let all_cordoned = old
-            .iter()
-            .all(|s| s.cordoned || s.held.is_some() || s.ip.is_none());
+        let all_cordoned = old.iter().all(|s| s.cordoned || held(s).is_some());
         let gate = match first_last {
             // Nothing drains and the cordons have settled: a step closes
             // nothing, whether or not an updated shard became Ready after
@@ -497,6 +499,10 @@ impl Rollout {
         max_to_mean_percent: i32,
         seconds: i64,
     ) -> (Rollout, Option<Limits>) {
+        let under_way = self.under_way();
+        // Every old shard serving has said what it holds: until then
+        // `connectionsToMove` falls short.
+        let counted = serving_old(&self.shards).all(|s| held(s).is_some());
         let Some(st) = self.status.as_mut() else {
             return (self, None);
         };
@@ -505,10 +511,6 @@ impl Rollout {
             .cloned()
             .collect();
         let to_move = st.connections_to_move;
-        // Every old shard serving has said what it holds (or holds nothing,
-        // unplaced): until then `to_move` falls short.
-        let counted = serving_old(&self.shards).all(|s| s.held.is_some() || s.ip.is_none());
-        let under_way = st.old_shards + st.draining_shards > 0;
         if to_move <= 0 || updated.is_empty() || !counted || !under_way {
             st.shard_connection_limit = None;
             return (self, None);

@@ -220,9 +220,10 @@ impl Guard {
         }
     }
 
-    /// The run enters `phase` (its RSS samples count towards it).
-    fn enter(&self, phase: &'static str) {
-        eprintln!("bench-scale: {phase}");
+    /// The run enters `phase` (its RSS samples count towards it), said on
+    /// stderr with `detail`.
+    fn enter(&self, phase: &'static str, detail: &str) {
+        eprintln!("bench-scale: {phase}{detail}");
         *self.phase.lock().unwrap() = phase;
     }
 
@@ -1047,24 +1048,21 @@ async fn run(run: &mut Run<'_>, r: &mut Report) -> Result<()> {
     wait_until(&run.guard, "the CRD", Duration::from_secs(60), crd_ok).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     watch_fleets(run.fleets.clone(), run.book.clone());
-    eprintln!("bench-scale: {} fleets at {}/s", a.fleets, a.rate);
-    run.guard.enter("ramp");
+    let ramp = format!(" ({} fleets at {}/s)", a.fleets, a.rate);
+    run.guard.enter("ramp", &ramp);
     run.ramp(r).await?;
-    eprintln!("bench-scale: {} s", a.quiet_seconds);
-    run.guard.enter("quiet");
+    run.guard
+        .enter("quiet", &format!(" ({} s)", a.quiet_seconds));
     run.quiet(r).await?;
-    run.guard.enter("restart");
+    run.guard.enter("restart", "");
     run.restart(r).await?;
-    eprintln!("bench-scale: {} fleets", a.replan);
-    run.guard.enter("replan");
+    run.guard
+        .enter("replan", &format!(" ({} fleets)", a.replan));
     run.replan(r).await?;
-    eprintln!(
-        "bench-scale: every fleet, a {} s sync",
-        a.metrics_sync_seconds
-    );
-    run.guard.enter("metricsLoop");
+    let sync = format!(" (every fleet, a {} s sync)", a.metrics_sync_seconds);
+    run.guard.enter("metricsLoop", &sync);
     run.metrics_loop(r).await?;
-    run.guard.enter("burst");
+    run.guard.enter("burst", "");
     run.burst(r).await
 }
 
