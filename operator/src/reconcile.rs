@@ -646,7 +646,7 @@ impl Step<'_> {
         let (ctx, fleet, plan) = (self.ctx, self.fleet, self.plan);
         let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
         let current = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
-        let looped = metrics_loop(ctx, fleet, plan, current, token).await; // client required
+        let looped = metrics_loop(ctx, self.cache, fleet, plan, current, token).await; // client required
         let looped = looped.map_err(|e| failed(plan, None, e))?;
         let owner = self.owner.clone();
         let objects = render::render(fleet, plan, owner, looped.replicas, &ctx.policy); // no client required
@@ -776,9 +776,11 @@ fn reject_conflict(conflict: Option<String>) -> Result<(), Ended> {
     }
 }
 
-/// The metrics loop step, with the fleet's memory carried between syncs.
+/// The metrics loop step, with the fleet's memory carried between syncs;
+/// the fleet's pods come from `cache` when its stores are ready.
 async fn metrics_loop(
     ctx: &Context,
+    cache: Option<&cache::Cache>,
     fleet: &ConnectionFleet,
     plan: &Plan,
     current: Option<i32>,
@@ -788,6 +790,13 @@ async fn metrics_loop(
     let ns = fleet.namespace().unwrap_or_default();
     let mut memory = ctx.loops.lock().unwrap().remove(&key).unwrap_or_default();
     let wall = Time(Timestamp::now());
+    let observed = ctx.prometheus.is_some() && autoscale::decide::runs(&fleet.spec);
+    let cached_pods = match cache {
+        Some(c) if observed => {
+            Some(c.fleet_pods(&ns, &fleet.name_any(), &fleet.uid().unwrap_or_default()))
+        }
+        _ => None,
+    };
     let looped = autoscale::sync(
         autoscale::Inputs {
             fleet,
@@ -795,6 +804,7 @@ async fn metrics_loop(
             current: current.unwrap_or(plan.shards),
             reader: ctx.prometheus.as_ref(),
             pods: &kube::Api::namespaced(ctx.client.clone(), &ns),
+            cached_pods,
             token,
             http: &ctx.http,
             now: ctx.started.elapsed().as_secs_f64(),

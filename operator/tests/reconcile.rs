@@ -18,7 +18,7 @@ use c10m_operator::api::ConnectionFleet;
 use c10m_operator::policy::Policy;
 use c10m_operator::reason::Reason;
 use c10m_operator::reconcile::apply::SERVICE_WAIT;
-use c10m_operator::reconcile::cache::{Cache, Stored};
+use c10m_operator::reconcile::cache::{Cache, Shards, Stored};
 use c10m_operator::reconcile::report::ROLLOUT_RECHECK;
 use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
 use c10m_operator::telemetry::Metrics;
@@ -28,8 +28,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::ObjectRef;
 use kube::runtime::reflector::store::Writer;
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -261,11 +261,18 @@ impl Harness {
             services: Writer::default(),
             pdbs: Writer::default(),
         };
+        // The metrics loop's stores: listed, empty (these fleets have no
+        // loop, so nothing reads them).
+        let (pods, mut pod_writer) = reflector::store();
+        let (replica_sets, mut set_writer) = reflector::store();
+        pod_writer.apply_watcher_event(&watcher::Event::InitDone);
+        set_writer.apply_watcher_event(&watcher::Event::InitDone);
         let cache = Cache::new(
             writers.nodes.as_reader(),
             writers.deployments.as_reader(),
             writers.services.as_reader(),
             writers.pdbs.as_reader(),
+            Shards { pods, replica_sets },
             CancellationToken::new(),
         );
         writers.nodes.apply_watcher_event(&watcher::Event::InitDone);

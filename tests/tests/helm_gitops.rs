@@ -920,7 +920,8 @@ fn watch_namespace_renders_namespaced_roles_and_no_cluster_wide_write() {
             "poddisruptionbudgets",
             &["get", "list", "watch", "create", "patch"],
         ),
-        ("", "pods", &["list", "patch"]),
+        ("", "pods", &["list", "watch", "patch"]),
+        ("apps", "replicasets", &["list", "watch"]),
         ("", "secrets", &["get", "create"]),
         ("events.k8s.io", "events", &["create", "patch"]),
     ] {

@@ -50,6 +50,10 @@ pub struct Inputs<'a> {
     pub reader: Option<&'a Reader>,
     /// Pods of the fleet's namespace.
     pub pods: &'a Api<Pod>,
+    /// The fleet's own pods as the controller's watch caches hold them
+    /// (the same ownership rule as [`observe::own_pods`]); `None`: listed
+    /// through `pods`.
+    pub cached_pods: Option<Vec<Pod>>,
     /// The fleet's admin token, for shed orders; `None` when the loop does
     /// not run ([`decide::runs`]), which sends none then.
     pub token: Option<&'a str>,
@@ -66,7 +70,7 @@ pub struct Inputs<'a> {
 /// neither observed nor acted on.
 pub async fn sync(i: Inputs<'_>, memory: &mut Memory) -> Result<Outcome, kube::Error> {
     let observation = if decide::runs(&i.fleet.spec) {
-        observe::observe(i.reader, i.pods, i.fleet, i.plan).await? // client required
+        observe::observe(i.reader, i.pods, i.cached_pods, i.fleet, i.plan).await? // client required
     } else {
         Observation::default()
     };

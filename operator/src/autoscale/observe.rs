@@ -65,12 +65,14 @@ impl Observation {
     }
 }
 
-/// Observes `fleet` planned as `plan`: its pods, then its metrics from
-/// `reader`, checked against the running pods and the plan's bounds. Without
-/// a reader nothing is read (no pod listing either).
+/// Observes `fleet` planned as `plan`: its pods (`cached`, the watch
+/// caches' copy, when given; else listed through `pods`), then its metrics
+/// from `reader`, checked against the running pods and the plan's bounds.
+/// Without a reader nothing is read (no pod listing either).
 pub async fn observe(
     reader: Option<&Reader>,
     pods: &Api<Pod>,
+    cached: Option<Vec<Pod>>,
     fleet: &ConnectionFleet,
     plan: &Plan,
 ) -> Result<Observation, kube::Error> {
@@ -80,7 +82,10 @@ pub async fn observe(
     let ns = fleet.metadata.namespace.clone().unwrap_or_default();
     let name = fleet.metadata.name.clone().unwrap_or_default();
     let uid = fleet.metadata.uid.clone().unwrap_or_default();
-    let own = own_pods(pods, &ns, &name, &uid).await?;
+    let own = match cached {
+        Some(own) => own,
+        None => own_pods(pods, &ns, &name, &uid).await?,
+    };
     let nodes: Vec<(String, Option<String>)> = own
         .iter()
         .map(|p| {
@@ -159,7 +164,7 @@ pub async fn own_pods(
 
 /// The uid of the object's controller (its owner reference with
 /// `controller: true`).
-fn controller_uid(meta: &ObjectMeta) -> Option<&str> {
+pub fn controller_uid(meta: &ObjectMeta) -> Option<&str> {
     meta.owner_references
         .iter()
         .flatten()

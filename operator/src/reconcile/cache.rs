@@ -26,11 +26,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::{BoxFuture, FutureExt, Shared};
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Service, Toleration};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::core::v1::{
+    Node, Pod, PodCondition, PodSpec, PodStatus, Service, Toleration,
+};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use serde::Serialize;
@@ -38,6 +41,8 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use crate::autoscale::observe::{controller_uid, own_replica_sets};
+use crate::names::{CORDONED_ANNOTATION, POD_DELETION_COST};
 use crate::plan::{NodeFacts, nodes};
 
 /// How long a reconcile waits for the stores' first lists after a start
@@ -56,6 +61,8 @@ pub struct Cache {
     pub services: Store<Stored<Service>>,
     /// The operator's PodDisruptionBudgets (without managedFields).
     pub pdbs: Store<Stored<PodDisruptionBudget>>,
+    /// The fleets' shard pods and their ReplicaSets ([`Shards`]).
+    pub shards: Shards,
     /// Cancelled when the controller stops (SIGTERM/SIGINT). The stores are
     /// fed by the controller's trigger streams, which a stopping controller
     /// no longer polls: a reconcile still waiting for their first lists
@@ -67,6 +74,153 @@ pub struct Cache {
     /// Resolves (`true`) once every store has had its first list
     /// ([`Cache::ready`]).
     listed: Shared<BoxFuture<'static, bool>>,
+}
+
+/// The pods carrying the fleet label and the ReplicaSets' metadata, for the
+/// metrics loop: each sync of an autoscaled fleet listed its pods, its
+/// Deployment's metadata and its ReplicaSets' (three requests a sync, 150 a
+/// second at 1,000 fleets on a 20 s sync) and now reads them here
+/// ([`Cache::fleet_pods`]). A pod is kept as a [`KeptPod`], a ReplicaSet
+/// with only its name, uid and owner references.
+#[derive(Clone)]
+pub struct Shards {
+    /// Pods labelled with the fleet label (anyone's: ownership is checked
+    /// when read).
+    pub pods: Store<KeptPod>,
+    /// Metadata of the ReplicaSets labelled with the fleet label.
+    pub replica_sets: Store<PartialObjectMeta<ReplicaSet>>,
+}
+
+/// A shard pod as the metrics loop's store keeps it: what the loop reads
+/// (`autoscale::observe::ShardPod`, the drift check's node, the ownership
+/// check), taken from the watch's JSON as it is parsed. serde skips every
+/// other field without building it: the containers, `managedFields`, the
+/// labels, the other conditions and the container statuses, most of a
+/// pod's 4.5 kB of JSON. Kept, a shard pod takes 1.2 kB of heap, against
+/// 24.9 kB as a k8s-openapi `Pod` without managedFields
+/// (`tests/store_heap.rs`, 2026-12-06).
+///
+/// The metadata kept: name, namespace, uid, resourceVersion (the store's
+/// keys), owner references, deletion time, and of the annotations only the
+/// scale-in mark and the rollout's cordon record ([`POD_DELETION_COST`],
+/// [`CORDONED_ANNOTATION`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KeptPod {
+    metadata: ObjectMeta,
+    node_name: Option<String>,
+    phase: Option<String>,
+    pod_ip: Option<String>,
+    ready: Option<PodCondition>,
+}
+
+impl KeptPod {
+    /// The pod with what was kept of it (an `autoscale::observe` reader
+    /// takes a `Pod`): `spec.nodeName`, `status.phase`, `status.podIP` and
+    /// the `Ready` condition.
+    pub fn pod(&self) -> Pod {
+        Pod {
+            metadata: self.metadata.clone(),
+            spec: Some(PodSpec {
+                node_name: self.node_name.clone(),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: self.phase.clone(),
+                pod_ip: self.pod_ip.clone(),
+                conditions: self.ready.clone().map(|c| vec![c]),
+                ..PodStatus::default()
+            }),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for KeptPod {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+        use std::collections::BTreeMap;
+        #[derive(serde::Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Meta {
+            name: Option<String>,
+            namespace: Option<String>,
+            uid: Option<String>,
+            resource_version: Option<String>,
+            owner_references: Option<Vec<OwnerReference>>,
+            deletion_timestamp: Option<Time>,
+            annotations: Option<BTreeMap<String, String>>,
+        }
+        #[derive(serde::Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Spec {
+            node_name: Option<String>,
+        }
+        #[derive(serde::Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Status {
+            phase: Option<String>,
+            #[serde(rename = "podIP")]
+            pod_ip: Option<String>,
+            conditions: Option<Vec<PodCondition>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Wire {
+            metadata: Meta,
+            spec: Option<Spec>,
+            status: Option<Status>,
+        }
+        let w = Wire::deserialize(d)?;
+        let annotations: BTreeMap<String, String> = (w.metadata.annotations.into_iter())
+            .flatten()
+            .filter(|(k, _)| k == POD_DELETION_COST || k == CORDONED_ANNOTATION)
+            .collect();
+        let (phase, pod_ip, conditions) = match w.status {
+            Some(s) => (s.phase, s.pod_ip, s.conditions),
+            None => (None, None, None),
+        };
+        Ok(KeptPod {
+            metadata: ObjectMeta {
+                name: w.metadata.name,
+                namespace: w.metadata.namespace,
+                uid: w.metadata.uid,
+                resource_version: w.metadata.resource_version,
+                owner_references: w.metadata.owner_references,
+                deletion_timestamp: w.metadata.deletion_timestamp,
+                annotations: (!annotations.is_empty()).then_some(annotations),
+                ..ObjectMeta::default()
+            },
+            node_name: w.spec.and_then(|s| s.node_name),
+            phase,
+            pod_ip,
+            ready: conditions
+                .into_iter()
+                .flatten()
+                .find(|c| c.type_ == "Ready"),
+        })
+    }
+}
+
+impl Resource for KeptPod {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        Pod::kind(dt)
+    }
+    fn group(dt: &()) -> Cow<'_, str> {
+        Pod::group(dt)
+    }
+    fn version(dt: &()) -> Cow<'_, str> {
+        Pod::version(dt)
+    }
+    fn plural(dt: &()) -> Cow<'_, str> {
+        Pod::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
 }
 
 /// The node profile ([`nodes::observed`]) each placement (node selector
@@ -137,6 +291,7 @@ impl Cache {
         deployments: Store<Stored<Deployment>>,
         services: Store<Stored<Service>>,
         pdbs: Store<Stored<PodDisruptionBudget>>,
+        shards: Shards,
         stop: CancellationToken,
     ) -> Cache {
         let listed = {
@@ -146,11 +301,14 @@ impl Cache {
                 services.clone(),
                 pdbs.clone(),
             );
+            let (pods, sets) = (shards.pods.clone(), shards.replica_sets.clone());
             async move {
                 n.wait_until_ready().await.is_ok()
                     && d.wait_until_ready().await.is_ok()
                     && s.wait_until_ready().await.is_ok()
                     && p.wait_until_ready().await.is_ok()
+                    && pods.wait_until_ready().await.is_ok()
+                    && sets.wait_until_ready().await.is_ok()
             }
             .boxed()
             .shared()
@@ -160,10 +318,43 @@ impl Cache {
             deployments,
             services,
             pdbs,
+            shards,
             stop,
             profiles: Profiles::default(),
             listed,
         }
+    }
+
+    /// The pods of fleet `ns`/`fleet` (uid `fleet_uid`) as the watches hold
+    /// them: those whose controller is a ReplicaSet of the Deployment it
+    /// controls ([`own_replica_sets`], the rule of [`own_pods`]), each as
+    /// kept (see [`Shards`]). Empty when the Deployment is not in the store
+    /// yet. Reads the stored metadata of the namespace's ReplicaSets and
+    /// pods, and parses only the fleet's own pods.
+    ///
+    /// [`own_pods`]: crate::autoscale::observe::own_pods
+    pub fn fleet_pods(&self, ns: &str, fleet: &str, fleet_uid: &str) -> Vec<Pod> {
+        let Some(metadata) = metadata(&self.deployments, ns, fleet) else {
+            return Vec::new();
+        };
+        let deployment = PartialObjectMeta::<Deployment> {
+            metadata,
+            ..Default::default()
+        };
+        let in_ns = |m: &ObjectMeta| m.namespace.as_deref() == Some(ns);
+        let sets: Vec<PartialObjectMeta<ReplicaSet>> = (self.shards.replica_sets.state().iter())
+            .filter(|rs| in_ns(&rs.metadata))
+            .map(|rs| rs.as_ref().clone())
+            .collect();
+        let own = own_replica_sets(Some(&deployment), fleet_uid, &sets);
+        if own.is_empty() {
+            return Vec::new();
+        }
+        (self.shards.pods.state().iter())
+            .filter(|p| in_ns(&p.metadata))
+            .filter(|p| controller_uid(&p.metadata).is_some_and(|u| own.contains(u)))
+            .map(|p| p.pod())
+            .collect()
     }
 
     /// Waits (at most [`READY_WAIT`], and not past [`Cache::stop`]) until
@@ -391,6 +582,7 @@ pub fn difference(live: &Value, want: &Value, path: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::names::FLEET_LABEL;
     use kube::runtime::reflector::{self, store::Writer};
     use kube::runtime::watcher;
     use serde_json::json;
@@ -407,14 +599,26 @@ mod tests {
             Writer<Stored<Deployment>>,
             Writer<Stored<Service>>,
             Writer<Stored<PodDisruptionBudget>>,
+            Writer<KeptPod>,
+            Writer<PartialObjectMeta<ReplicaSet>>,
         ),
     ) {
         let (nodes, n) = reflector::store();
         let (deployments, d) = reflector::store();
         let (services, s) = reflector::store();
         let (pdbs, p) = reflector::store();
-        let cache = Cache::new(nodes, deployments, services, pdbs, CancellationToken::new());
-        (cache, (n, d, s, p))
+        let (pods, pw) = reflector::store();
+        let (replica_sets, rw) = reflector::store();
+        let shards = Shards { pods, replica_sets };
+        let cache = Cache::new(
+            nodes,
+            deployments,
+            services,
+            pdbs,
+            shards,
+            CancellationToken::new(),
+        );
+        (cache, (n, d, s, p, pw, rw))
     }
 
     fn node(name: &str, memory: &str, labels: serde_json::Value) -> Node {
@@ -481,6 +685,11 @@ mod tests {
         assert!(!cache.ready().await, "one store still unlisted");
         assert_eq!(start.elapsed(), READY_WAIT);
         writers.3.apply_watcher_event(&watcher::Event::InitDone);
+        writers.4.apply_watcher_event(&watcher::Event::InitDone);
+        let start = Instant::now();
+        assert!(!cache.ready().await, "the ReplicaSets still unlisted");
+        assert_eq!(start.elapsed(), READY_WAIT);
+        writers.5.apply_watcher_event(&watcher::Event::InitDone);
         let start = Instant::now();
         assert!(cache.ready().await);
         assert_eq!(start.elapsed(), Duration::ZERO);
@@ -504,10 +713,95 @@ mod tests {
         writers.1.apply_watcher_event(&watcher::Event::InitDone);
         writers.2.apply_watcher_event(&watcher::Event::InitDone);
         writers.3.apply_watcher_event(&watcher::Event::InitDone);
+        writers.4.apply_watcher_event(&watcher::Event::InitDone);
+        writers.5.apply_watcher_event(&watcher::Event::InitDone);
         for w in waiting {
             assert!(w.await.unwrap());
         }
         assert_eq!(start.elapsed(), Duration::from_secs(1));
+    }
+
+    /// The metrics loop's pods from the stores: only those whose
+    /// ReplicaSet the fleet's own Deployment controls, in its namespace,
+    /// each with what the loop reads of it.
+    #[test]
+    fn a_fleet_s_pods_are_those_of_its_own_deployment_s_replica_sets() {
+        let (cache, (_, mut deployments, _, _, mut pods, mut sets)) = unlisted();
+        let owner = |uid: &str| {
+            json!([{"apiVersion": "v1", "kind": "X", "name": "x",
+                                        "uid": uid, "controller": true}])
+        };
+        let deployment: Deployment = serde_json::from_value(json!({
+            "metadata": {"name": "edge", "namespace": "team-a", "uid": "dep-1",
+                         "ownerReferences": owner("fleet-1")},
+        }))
+        .unwrap();
+        deployments.apply_watcher_event(&watcher::Event::Apply(Stored::new(&deployment)));
+        for (ns, name, uid, controller) in [
+            ("team-a", "edge-1", "rs-1", "dep-1"),
+            // Someone else's ReplicaSet, labelled as the fleet's.
+            ("team-a", "edge-2", "rs-2", "dep-other"),
+            // The same Deployment uid in another namespace cannot be ours.
+            ("team-b", "edge-1", "rs-3", "dep-1"),
+        ] {
+            let mut rs: PartialObjectMeta<ReplicaSet> = serde_json::from_value(json!({
+                "apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": name, "namespace": ns, "uid": uid,
+                             "ownerReferences": owner(controller)},
+            }))
+            .unwrap();
+            crate::controller::lean_owned(&mut rs);
+            sets.apply_watcher_event(&watcher::Event::Apply(rs));
+        }
+        for (ns, name, rs) in [
+            ("team-a", "edge-1-a", "rs-1"),
+            ("team-a", "edge-2-a", "rs-2"),
+            ("team-b", "edge-1-b", "rs-3"),
+        ] {
+            let pod: KeptPod = serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": ns, "uid": format!("{name}-uid"),
+                             "labels": {FLEET_LABEL: "edge"},
+                             "annotations": {"a": "1", CORDONED_ANNOTATION: "12"},
+                             "managedFields": [{"manager": "kubelet", "operation": "Update"}],
+                             "ownerReferences": owner(rs)},
+                "spec": {"nodeName": "n1", "containers": [{"name": "server", "image": "i"}]},
+                "status": {"phase": "Running", "podIP": "10.0.0.9",
+                           "hostIP": "10.0.0.2",
+                           "conditions": [{"type": "Ready", "status": "True"},
+                                          {"type": "PodScheduled", "status": "True"}]},
+            }))
+            .unwrap();
+            pods.apply_watcher_event(&watcher::Event::Apply(pod));
+        }
+        let found = cache.fleet_pods("team-a", "edge", "fleet-1");
+        assert_eq!(found.len(), 1, "{found:#?}");
+        let pod = &found[0];
+        assert_eq!(pod.metadata.name.as_deref(), Some("edge-1-a"));
+        // Of the annotations, only the mark and the record the loop reads.
+        let annotations = pod.metadata.annotations.clone().unwrap();
+        assert_eq!(
+            annotations,
+            BTreeMap::from([(CORDONED_ANNOTATION.to_string(), "12".to_string())])
+        );
+        assert_eq!(pod.metadata.labels, None);
+        assert_eq!(pod.metadata.managed_fields, None);
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        assert!(spec.containers.is_empty());
+        let status = pod.status.as_ref().unwrap();
+        assert_eq!(status.pod_ip.as_deref(), Some("10.0.0.9"));
+        assert_eq!(status.host_ip, None);
+        let conditions: Vec<_> = status
+            .conditions
+            .iter()
+            .flatten()
+            .map(|c| &c.type_)
+            .collect();
+        assert_eq!(conditions, ["Ready"]);
+        // Another fleet's uid owns nothing here; an unknown fleet has no
+        // Deployment.
+        assert!(cache.fleet_pods("team-a", "edge", "fleet-2").is_empty());
+        assert!(cache.fleet_pods("team-a", "other", "fleet-1").is_empty());
     }
 
     /// A kept object reads back whole, and its owner references read

@@ -993,15 +993,33 @@ impl Run<'_> {
                 .queries
                 .load(std::sync::atomic::Ordering::Relaxed)
         };
+        let pid = self.operator_pid();
         let (q0, rec0) = (queries(), reconciliations(port));
+        let (reads0, writes0, cpu0) = (
+            operator_reads(port),
+            operator_writes(port),
+            cpu_seconds(pid),
+        );
         let window = Duration::from_secs(3 * period);
         hold(&self.guard, window).await?;
         let (asked, reconciles) = (
             (queries() - q0) as f64,
             rec0.zip(reconciliations(port)).map(|(b, a)| a - b),
         );
+        let cpu = round2(cpu_seconds(pid) - cpu0);
+        let delta = |before: Option<f64>, after: Option<f64>| before.zip(after).map(|(b, a)| a - b);
+        let (reads, writes) = (
+            delta(reads0, operator_reads(port)),
+            delta(writes0, operator_writes(port)),
+        );
         let syncs_due = a.fleets as f64 * window.as_secs_f64() / period as f64;
         let per_sync = reconciles.filter(|n| *n > 0.0).map(|n| round2(asked / n));
+        // The operator's API requests a reconcile of the window (each an
+        // autoscaled fleet's sync).
+        let per_reconcile = |n: Option<f64>| {
+            n.zip(reconciles.filter(|r| *r > 0.0))
+                .map(|(n, r)| round2(n / r))
+        };
         r.set("prometheusQueriesPerSync", json!(per_sync));
         r.set(
             "metricsLoop",
@@ -1013,6 +1031,12 @@ impl Run<'_> {
                 "queries": asked,
                 "reconciles": reconciles,
                 "queriesPerFleetPerSyncPeriod": round2(asked / syncs_due),
+                "operatorCpuSeconds": cpu,
+                "operatorRequests": {"reads": reads, "writes": writes},
+                "operatorRequestsPerSync": {
+                    "reads": per_reconcile(reads),
+                    "writes": per_reconcile(writes),
+                },
             }),
         );
         Ok(())
@@ -1262,6 +1286,14 @@ fn print_table(r: &Value) {
     row(
         "Prometheus queries per fleet and sync period",
         &r["metricsLoop"]["queriesPerFleetPerSyncPeriod"],
+    );
+    row(
+        "metrics loop: operator requests per sync (reads/writes)",
+        &r["metricsLoop"]["operatorRequestsPerSync"],
+    );
+    row(
+        "metrics loop: operator CPU s",
+        &r["metricsLoop"]["operatorCpuSeconds"],
     );
     row("aborted", &r["aborted"]);
 }
