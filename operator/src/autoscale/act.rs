@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use futures::{StreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
@@ -18,6 +19,16 @@ use super::decide::{Acted, Decision};
 use super::rebalance::ShedOrder;
 use crate::names::POD_DELETION_COST;
 use crate::reason::{Announcement, EventAction, Reason};
+
+/// Orders to shards' admin endpoints (shed, cordon, limit, and the
+/// readiness probes before cordons) one reconcile has in flight at once.
+/// Each waits up to its timeout (5 s, [`post`]) on a shard that does not
+/// answer; sent one after the other, 20 unreachable shards of a fleet (a
+/// node lost mid-rollout) would hold its reconcile for 20 × 5 s = 100 s,
+/// past the admission limit's lease of two cap steps + 10 s
+/// (`rollout::limit_lease_seconds`). Bounded, so that 128 reconciles at
+/// once (the controller's concurrency) open at most 2,048 sockets.
+pub const ORDERS_AT_ONCE: usize = 16;
 
 /// Lifts the marks the decision unmarks, marks its victims, then sends its
 /// shed orders with the fleet's admin `token` (orders to a pod with no IP
@@ -37,9 +48,18 @@ pub async fn act(
         debug_assert!(decision.shed.is_none(), "shed orders without the token");
         return Ok(acted);
     };
-    for s in &plan.orders {
-        let Some(ip) = &s.ip else { continue };
-        match shed(http, ip, plan.port, token, &s.order).await {
+    // Collected first: a stream adapter's closure in the reconcile's
+    // future trips the compiler's `Send` check ("`FnOnce` is not general
+    // enough").
+    let sends: Vec<_> = (plan.orders.iter())
+        .filter_map(|s| {
+            let ip = s.ip.as_deref()?;
+            Some(async move { (s, shed(http, ip, plan.port, token, &s.order).await) })
+        })
+        .collect();
+    let sent: Vec<_> = stream::iter(sends).buffered(ORDERS_AT_ONCE).collect().await;
+    for (s, result) in sent {
+        match result {
             Ok(()) => {
                 info!(pod = %s.order.pod, count = s.order.count, rate = s.order.rate, "shed order accepted");
                 acted.sent = acted.sent.saturating_add(s.order.count);

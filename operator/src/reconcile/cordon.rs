@@ -15,6 +15,9 @@
 //! its readiness probe (`GET /healthz`): a pod's Ready condition can come
 //! before its server listens.
 //!
+//! Orders go out [`act::ORDERS_AT_ONCE`] at a time (each with its record),
+//! so shards that do not answer cost a reconcile one timeout, not one each.
+//!
 //! A shard that does not answer (starting, gone, unreachable) keeps its
 //! annotation as it was and gets the order again on the next reconcile; a
 //! rollout never waits for it, because the Deployment's strategy alone
@@ -23,6 +26,7 @@
 
 use std::time::Duration;
 
+use futures::{StreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
@@ -56,13 +60,21 @@ pub async fn carry_out(
     if !cordons.is_empty() && !any_answers(http, &orders.landing, port).await {
         // Nowhere to land yet: shards with a server keep serving; those
         // without one hold nothing and are vacant all the same.
-        for shard in cordons {
-            if let Some(ip) = &shard.ip
-                && probe(http, ip, port).await.is_err_and(|e| act::refused(&e))
-            {
-                done.vacant.push(shard.clone());
-            }
-        }
+        // Futures collected first, here and below: a stream adapter's
+        // closure in the reconcile's future trips the compiler's `Send`
+        // check ("implementation of `FnOnce` is not general enough").
+        let probes: Vec<_> = (cordons.iter())
+            .map(|shard| async move {
+                let ip = shard.ip.as_deref()?;
+                let vacant = probe(http, ip, port).await.is_err_and(|e| act::refused(&e));
+                vacant.then(|| shard.clone())
+            })
+            .collect();
+        let found: Vec<Option<Shard>> = stream::iter(probes)
+            .buffered(act::ORDERS_AT_ONCE)
+            .collect()
+            .await;
+        done.vacant = found.into_iter().flatten().collect();
         debug!(
             cordons = cordons.len(),
             vacant = done.vacant.len(),
@@ -72,41 +84,76 @@ pub async fn carry_out(
     }
     let cordon = cordons.iter().map(|s| (s, true));
     let uncordon = orders.uncordon.iter().map(|s| (s, false));
-    for (shard, on) in cordon.chain(uncordon) {
-        let Some(ip) = &shard.ip else { continue };
-        let path = if on { CORDON_PATH } else { UNCORDON_PATH };
-        let answer = match act::post(http, &shard.name, ip, port, token, path).await {
-            Ok(answer) => answer,
-            Err(e) if on && act::refused(&e) => {
-                // Nothing listens: no server runs there, and it holds no
-                // clients. Nothing to record; asked again next time.
-                done.vacant.push(shard.clone());
-                continue;
-            }
-            Err(e) => {
-                warn!(pod = %shard.name, error = %e, "rollout order not carried out; retried on the next reconcile");
-                continue;
-            }
-        };
-        let held = on.then(|| held(&answer)).flatten();
-        let patch = record(on, held);
-        pods.patch(&shard.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(|source| Error::Rollout {
-                what: format!("record {path} on pod {}", shard.name),
-                source,
-            })?;
-        info!(pod = %shard.name, order = path, ?held, "rollout order carried out");
-        if on {
-            done.cordon.push(Shard {
-                held,
-                ..shard.clone()
-            });
-        } else {
-            done.uncordon.push(shard.clone());
+    let orders: Vec<_> = (cordon.chain(uncordon))
+        .map(|(shard, on)| order(&pods, http, port, token, shard, on))
+        .collect();
+    let carried: Vec<Result<Carried, Error>> = stream::iter(orders)
+        .buffered(act::ORDERS_AT_ONCE)
+        .collect()
+        .await;
+    for carried in carried {
+        match carried? {
+            Carried::Cordoned(shard) => done.cordon.push(shard),
+            Carried::Uncordoned(shard) => done.uncordon.push(shard),
+            Carried::Vacant(shard) => done.vacant.push(shard),
+            Carried::Not => {}
         }
     }
     Ok(done)
+}
+
+/// What became of one order of [`carry_out`].
+enum Carried {
+    /// Cordoned and recorded, with what it held.
+    Cordoned(Shard),
+    /// Uncordoned and recorded.
+    Uncordoned(Shard),
+    /// To be cordoned, but nothing listens: no server, no clients.
+    Vacant(Shard),
+    /// Not carried out (no IP yet, or no answer): asked again next time.
+    Not,
+}
+
+/// Sends `shard` its cordon (`on`) or uncordon and records the answer on
+/// its pod in `pods`; a failed record is the reconcile's error.
+async fn order(
+    pods: &Api<Pod>,
+    http: &reqwest::Client,
+    port: i32,
+    token: &str,
+    shard: &Shard,
+    on: bool,
+) -> Result<Carried, Error> {
+    let Some(ip) = &shard.ip else {
+        return Ok(Carried::Not);
+    };
+    let path = if on { CORDON_PATH } else { UNCORDON_PATH };
+    let answer = match act::post(http, &shard.name, ip, port, token, path).await {
+        Ok(answer) => answer,
+        // Nothing listens: no server runs there, and it holds no
+        // clients. Nothing to record; asked again next time.
+        Err(e) if on && act::refused(&e) => return Ok(Carried::Vacant(shard.clone())),
+        Err(e) => {
+            warn!(pod = %shard.name, error = %e, "rollout order not carried out; retried on the next reconcile");
+            return Ok(Carried::Not);
+        }
+    };
+    let held = on.then(|| held(&answer)).flatten();
+    let patch = record(on, held);
+    pods.patch(&shard.name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|source| Error::Rollout {
+            what: format!("record {path} on pod {}", shard.name),
+            source,
+        })?;
+    info!(pod = %shard.name, order = path, ?held, "rollout order carried out");
+    Ok(match on {
+        true => Carried::Cordoned(Shard {
+            held,
+            ..shard.clone()
+        }),
+        false => Carried::Uncordoned(shard.clone()),
+    })
 }
 
 /// Sends `limits` to the updated shards of a rollout (`POST /limit` on
@@ -127,28 +174,42 @@ pub async fn limit(
         limits.connections,
         limits.seconds.max(1)
     );
-    let mut took = 0;
-    for shard in &limits.shards {
-        let Some(ip) = &shard.ip else { continue };
-        match act::post(http, &shard.name, ip, port, token, &target).await {
-            Ok(_) => took += 1,
-            Err(e) if act::refused(&e) => {}
-            Err(e) => {
-                debug!(pod = %shard.name, error = %e, "admission limit not taken; sent again on the next reconcile")
+    let target = &target;
+    let sends: Vec<_> = (limits.shards.iter())
+        .map(|shard| async move {
+            let ip = shard.ip.as_deref()?;
+            match act::post(http, &shard.name, ip, port, token, target).await {
+                Ok(_) => Some(()),
+                Err(e) if act::refused(&e) => None,
+                Err(e) => {
+                    debug!(pod = %shard.name, error = %e, "admission limit not taken; sent again on the next reconcile");
+                    None
+                }
             }
-        }
-    }
-    took
+        })
+        .collect();
+    let took: Vec<Option<()>> = stream::iter(sends)
+        .buffer_unordered(act::ORDERS_AT_ONCE)
+        .collect()
+        .await;
+    took.iter().flatten().count()
 }
 
 /// Whether one of the `landing` shards answers its readiness probe
-/// ([`probe`] gives 200), tried in turn.
+/// ([`probe`] gives 200), [`act::ORDERS_AT_ONCE`] probed at a time; the
+/// first that does ends the wait.
 async fn any_answers(http: &reqwest::Client, landing: &[Shard], port: i32) -> bool {
-    for ip in landing.iter().filter_map(|s| s.ip.as_deref()) {
-        if probe(http, ip, port)
-            .await
-            .is_ok_and(|status| status == 200)
-        {
+    let probes: Vec<_> = (landing.iter())
+        .filter_map(|s| s.ip.as_deref())
+        .map(|ip| async move {
+            probe(http, ip, port)
+                .await
+                .is_ok_and(|status| status == 200)
+        })
+        .collect();
+    let mut answers = stream::iter(probes).buffer_unordered(act::ORDERS_AT_ONCE);
+    while let Some(ok) = answers.next().await {
+        if ok {
             return true;
         }
     }
@@ -226,6 +287,45 @@ mod tests {
         );
     }
 
+    fn shard(name: &str, updated: bool) -> Shard {
+        Shard {
+            name: name.into(),
+            ip: Some("127.0.0.1".into()),
+            updated,
+            revision: None,
+            cordoned: false,
+            held: None,
+            terminating: false,
+            ready: true,
+            ready_since: None,
+        }
+    }
+
+    /// Shards that do not answer cost a reconcile one order's timeout (5
+    /// s) together, not one each in turn (8 × 5 s). The clock is tokio's
+    /// paused one: it moves only when every order waits on its timeout.
+    #[tokio::test(start_paused = true)]
+    async fn orders_to_shards_that_do_not_answer_wait_out_one_timeout_together() {
+        // Listening, never accepting: the connection completes in the
+        // backlog and the order is never answered.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let limits = crate::rollout::Limits {
+            connections: 100,
+            seconds: 30,
+            shards: (0..8).map(|i| shard(&format!("new-{i}"), true)).collect(),
+        };
+        let start = tokio::time::Instant::now();
+        let took = limit(&reqwest::Client::new(), port.into(), "t", &limits).await;
+        assert_eq!(took, 0);
+        let waited = start.elapsed();
+        assert!(
+            waited >= Duration::from_secs(5) && waited < Duration::from_secs(10),
+            "{waited:?}"
+        );
+        drop(silent);
+    }
+
     /// With no updated shard answering yet, no cordon is sent; old shards
     /// where nothing listens are vacant (they hold nothing), as a cordon
     /// refused would have found them: a fleet whose pods run no server
@@ -236,17 +336,6 @@ mod tests {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()
         }; // closed: nothing listens there
-        let shard = |name: &str, updated: bool| Shard {
-            name: name.into(),
-            ip: Some("127.0.0.1".into()),
-            updated,
-            revision: None,
-            cordoned: false,
-            held: None,
-            terminating: false,
-            ready: true,
-            ready_since: None,
-        };
         let orders = Orders {
             cordon: vec![shard("old-1", false)],
             landing: vec![shard("new-1", true)],
