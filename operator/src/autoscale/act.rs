@@ -30,6 +30,17 @@ use crate::reason::{Announcement, EventAction, Reason};
 /// once (the controller's concurrency) open at most 2,048 sockets.
 pub const ORDERS_AT_ONCE: usize = 16;
 
+/// Runs `orders` [`ORDERS_AT_ONCE`] at a time and returns what each gave,
+/// in their order. They come made, in a `Vec`: a stream adapter's closure
+/// that makes them inside the reconcile's future trips the compiler's
+/// `Send` check ("`FnOnce` is not general enough").
+pub async fn at_once<F: std::future::Future>(orders: Vec<F>) -> Vec<F::Output> {
+    stream::iter(orders)
+        .buffered(ORDERS_AT_ONCE)
+        .collect()
+        .await
+}
+
 /// Lifts the marks the decision unmarks, marks its victims, then sends its
 /// shed orders with the fleet's admin `token` (orders to a pod with no IP
 /// yet are skipped; only a loop that runs, [`super::decide::runs`], sheds,
@@ -48,16 +59,13 @@ pub async fn act(
         debug_assert!(decision.shed.is_none(), "shed orders without the token");
         return Ok(acted);
     };
-    // Collected first: a stream adapter's closure in the reconcile's
-    // future trips the compiler's `Send` check ("`FnOnce` is not general
-    // enough").
-    let sends: Vec<_> = (plan.orders.iter())
+    let sends = (plan.orders.iter())
         .filter_map(|s| {
             let ip = s.ip.as_deref()?;
             Some(async move { (s, shed(http, ip, plan.port, token, &s.order).await) })
         })
         .collect();
-    let sent: Vec<_> = stream::iter(sends).buffered(ORDERS_AT_ONCE).collect().await;
+    let sent = at_once(sends).await;
     for (s, result) in sent {
         match result {
             Ok(()) => {

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
 use kube::api::ListParams;
-use kube::{Api, Resource};
 
 use super::drift::{self, ShardKernel};
 use super::prometheus::{Expected, FleetMetrics, MetricsError, Reader};
@@ -154,7 +154,11 @@ pub async fn own_pods(
     let sets = Api::<ReplicaSet>::namespaced(client, ns)
         .list_metadata(&by_label)
         .await?;
-    let own = own_replica_sets(deployment.as_ref(), fleet_uid, &sets.items);
+    let own = own_replica_sets(
+        deployment.as_ref().map(|d| &d.metadata),
+        fleet_uid,
+        sets.items.iter().map(|rs| &rs.metadata),
+    );
     Ok(pods
         .items
         .into_iter()
@@ -172,21 +176,23 @@ pub fn controller_uid(meta: &ObjectMeta) -> Option<&str> {
         .map(|r| r.uid.as_str())
 }
 
-/// Uids of the ReplicaSets among `sets` that `deployment` controls, when the
-/// fleet `fleet_uid` controls that Deployment (else none).
-/// Reads their metadata only: whole objects or their metadata alone.
-pub fn own_replica_sets<'a, D: Resource, R: Resource>(
-    deployment: Option<&D>,
+/// Uids of the ReplicaSets among `sets` (their metadata) that the
+/// Deployment of metadata `deployment` controls, when the fleet
+/// `fleet_uid` controls that Deployment (else none). Metadata only, so
+/// objects listed whole, listed as metadata or kept in a watch's store are
+/// read alike, without a copy.
+pub fn own_replica_sets<'a>(
+    deployment: Option<&ObjectMeta>,
     fleet_uid: &str,
-    sets: &'a [R],
+    sets: impl IntoIterator<Item = &'a ObjectMeta>,
 ) -> HashSet<&'a str> {
-    let Some(dep) = deployment.filter(|d| controller_uid(d.meta()) == Some(fleet_uid)) else {
+    let Some(dep) = deployment.filter(|d| controller_uid(d) == Some(fleet_uid)) else {
         return HashSet::new();
     };
-    let dep_uid = dep.meta().uid.as_deref().unwrap_or_default();
-    sets.iter()
-        .filter(|rs| !dep_uid.is_empty() && controller_uid(rs.meta()) == Some(dep_uid))
-        .filter_map(|rs| rs.meta().uid.as_deref())
+    let dep_uid = dep.uid.as_deref().unwrap_or_default();
+    sets.into_iter()
+        .filter(|rs| !dep_uid.is_empty() && controller_uid(rs) == Some(dep_uid))
+        .filter_map(|rs| rs.uid.as_deref())
         .collect()
 }
 
@@ -241,8 +247,6 @@ impl From<Pod> for ShardPod {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::core::PartialObjectMeta;
-    use kube::core::PartialObjectMetaExt;
 
     fn pod(phase: &str, ready: &str, deleting: bool) -> Pod {
         let mut meta = serde_json::json!({"name": "p", "labels": {FLEET_LABEL: "f"}});
@@ -284,23 +288,14 @@ mod tests {
         .into_iter()
         .map(|v| serde_json::from_value(v).unwrap())
         .collect();
+        let metas = || sets.iter().map(|rs| &rs.metadata);
         assert_eq!(
-            own_replica_sets(Some(&dep), "fleet-uid", &sets),
+            own_replica_sets(Some(&dep.metadata), "fleet-uid", metas()),
             HashSet::from(["rs-1", "rs-2"])
         );
         // A Deployment of that name the fleet does not control owns nothing.
-        assert!(own_replica_sets(Some(&dep), "another-fleet", &sets).is_empty());
-        assert!(own_replica_sets(None::<&Deployment>, "fleet-uid", &sets).is_empty());
-        // Their metadata alone, as the metrics loop lists them, say the same.
-        let metas: Vec<PartialObjectMeta<ReplicaSet>> = sets
-            .iter()
-            .map(|rs| rs.metadata.clone().into_response_partial())
-            .collect();
-        let dep_meta: PartialObjectMeta<Deployment> = dep.metadata.clone().into_response_partial();
-        assert_eq!(
-            own_replica_sets(Some(&dep_meta), "fleet-uid", &metas),
-            HashSet::from(["rs-1", "rs-2"])
-        );
+        assert!(own_replica_sets(Some(&dep.metadata), "another-fleet", metas()).is_empty());
+        assert!(own_replica_sets(None, "fleet-uid", metas()).is_empty());
     }
 
     #[test]

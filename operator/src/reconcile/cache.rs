@@ -329,24 +329,21 @@ impl Cache {
     /// them: those whose controller is a ReplicaSet of the Deployment it
     /// controls ([`own_replica_sets`], the rule of [`own_pods`]), each as
     /// kept (see [`Shards`]). Empty when the Deployment is not in the store
-    /// yet. Reads the stored metadata of the namespace's ReplicaSets and
-    /// pods, and parses only the fleet's own pods.
+    /// yet. Reads the stores' metadata in place; only the fleet's own pods
+    /// are copied out.
     ///
     /// [`own_pods`]: crate::autoscale::observe::own_pods
     pub fn fleet_pods(&self, ns: &str, fleet: &str, fleet_uid: &str) -> Vec<Pod> {
-        let Some(metadata) = metadata(&self.deployments, ns, fleet) else {
+        let Some(deployment) = self.deployments.get(&ObjectRef::new(fleet).within(ns)) else {
             return Vec::new();
         };
-        let deployment = PartialObjectMeta::<Deployment> {
-            metadata,
-            ..Default::default()
-        };
         let in_ns = |m: &ObjectMeta| m.namespace.as_deref() == Some(ns);
-        let sets: Vec<PartialObjectMeta<ReplicaSet>> = (self.shards.replica_sets.state().iter())
-            .filter(|rs| in_ns(&rs.metadata))
-            .map(|rs| rs.as_ref().clone())
-            .collect();
-        let own = own_replica_sets(Some(&deployment), fleet_uid, &sets);
+        let sets = self.shards.replica_sets.state();
+        let own = own_replica_sets(
+            Some(&deployment.metadata),
+            fleet_uid,
+            sets.iter().map(|rs| &rs.metadata).filter(|m| in_ns(m)),
+        );
         if own.is_empty() {
             return Vec::new();
         }

@@ -60,20 +60,14 @@ pub async fn carry_out(
     if !cordons.is_empty() && !any_answers(http, &orders.landing, port).await {
         // Nowhere to land yet: shards with a server keep serving; those
         // without one hold nothing and are vacant all the same.
-        // Futures collected first, here and below: a stream adapter's
-        // closure in the reconcile's future trips the compiler's `Send`
-        // check ("implementation of `FnOnce` is not general enough").
-        let probes: Vec<_> = (cordons.iter())
+        let probes = (cordons.iter())
             .map(|shard| async move {
                 let ip = shard.ip.as_deref()?;
                 let vacant = probe(http, ip, port).await.is_err_and(|e| act::refused(&e));
                 vacant.then(|| shard.clone())
             })
             .collect();
-        let found: Vec<Option<Shard>> = stream::iter(probes)
-            .buffered(act::ORDERS_AT_ONCE)
-            .collect()
-            .await;
+        let found = act::at_once(probes).await;
         done.vacant = found.into_iter().flatten().collect();
         debug!(
             cordons = cordons.len(),
@@ -84,14 +78,10 @@ pub async fn carry_out(
     }
     let cordon = cordons.iter().map(|s| (s, true));
     let uncordon = orders.uncordon.iter().map(|s| (s, false));
-    let orders: Vec<_> = (cordon.chain(uncordon))
+    let orders = (cordon.chain(uncordon))
         .map(|(shard, on)| order(&pods, http, port, token, shard, on))
         .collect();
-    let carried: Vec<Result<Carried, Error>> = stream::iter(orders)
-        .buffered(act::ORDERS_AT_ONCE)
-        .collect()
-        .await;
-    for carried in carried {
+    for carried in act::at_once(orders).await {
         match carried? {
             Carried::Cordoned(shard) => done.cordon.push(shard),
             Carried::Uncordoned(shard) => done.uncordon.push(shard),
@@ -175,7 +165,7 @@ pub async fn limit(
         limits.seconds.max(1)
     );
     let target = &target;
-    let sends: Vec<_> = (limits.shards.iter())
+    let sends = (limits.shards.iter())
         .map(|shard| async move {
             let ip = shard.ip.as_deref()?;
             match act::post(http, &shard.name, ip, port, token, target).await {
@@ -188,11 +178,7 @@ pub async fn limit(
             }
         })
         .collect();
-    let took: Vec<Option<()>> = stream::iter(sends)
-        .buffer_unordered(act::ORDERS_AT_ONCE)
-        .collect()
-        .await;
-    took.iter().flatten().count()
+    act::at_once(sends).await.iter().flatten().count()
 }
 
 /// Whether one of the `landing` shards answers its readiness probe
