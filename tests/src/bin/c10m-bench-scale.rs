@@ -102,7 +102,7 @@ struct Args {
     /// Loopback port of the operator's /metrics.
     #[arg(long, default_value_t = 18090)]
     metrics_port: u16,
-    /// Where the operator logs.
+    /// Where the operator logs (emptied when a run starts).
     #[arg(long, default_value = "target/bench/scale-operator.log")]
     operator_log: PathBuf,
     /// The JSON report.
@@ -1059,6 +1059,8 @@ async fn run(run: &mut Run<'_>, r: &mut Report) -> Result<()> {
                 format!("create namespace scale-{i:02} (left from an earlier run? make down-scale)")
             })?;
     }
+    // One run's log: the restart phase's operator appends to it.
+    std::fs::File::create(&a.operator_log).with_context(|| a.operator_log.display().to_string())?;
     run.spawn_operator()?;
     // The operator installs the CRD; the fleet watch starts once it exists.
     let crd_ok = || {
