@@ -31,6 +31,7 @@ use crate::policy::Policy;
 use crate::reason::{EventAction, Reason};
 use crate::reconcile::cache::{Cache, KeptPod, Shards, Stored, stored_event};
 use crate::reconcile::{Context, error_policy, reconcile};
+use crate::unmanaged::{self, Unmanaged};
 
 /// Reconciles run at once, at most: at a start or a leader's takeover every
 /// fleet is due, and each reconcile reads its pods and ReplicaSets; a bound
@@ -42,7 +43,9 @@ pub const CONCURRENCY: u16 = 128;
 
 /// Drops what no reconcile reads from a watched object before the stores
 /// keep it: `managedFields` (often half an object's bytes;
-/// `tests/store_heap.rs` measures it).
+/// `tests/store_heap.rs` measures it). The watches already parse objects
+/// without them ([`watched`]); this keeps the stores free of them whatever
+/// fed them.
 pub fn lean<K: Resource>(o: &mut K) {
     o.meta_mut().managed_fields = None;
 }
@@ -83,13 +86,14 @@ async fn watch_shards(
     pod_writer: reflector::store::Writer<KeptPod>,
     set_writer: reflector::store::Writer<PartialObjectMeta<ReplicaSet>>,
 ) {
-    let (pods, sets): (Api<KeptPod>, Api<PartialObjectMeta<ReplicaSet>>) = match &namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client, ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client)),
-    };
+    let (pods, sets): (Api<KeptPod>, Api<Unmanaged<PartialObjectMeta<ReplicaSet>>>) =
+        match &namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client, ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client)),
+        };
     let wc = watch_config().labels(FLEET_LABEL);
     fn warn_on<K>(
         what: &'static str,
@@ -105,7 +109,7 @@ async fn watch_shards(
     // Nothing to make lean: a KeptPod is read without what `lean` drops.
     let pods = keep(pods, lean, pod_writer).for_each(warn_on("shard pods"));
     // An `Api` of `PartialObjectMeta` watches metadata only.
-    let sets = watcher(sets, wc).default_backoff();
+    let sets = watched(sets, wc).default_backoff();
     let sets = keep(sets, lean_owned, set_writer).for_each(warn_on("ReplicaSets"));
     futures::join!(pods, sets);
 }
@@ -149,23 +153,33 @@ fn watch_config() -> watcher::Config {
 /// The objects `api` holds under `wc` as they change, each made `lean`
 /// and kept in `writer`'s store before it triggers anything ([`keep`]).
 fn stored<K: Kept>(
-    api: Api<K>,
+    api: Api<Unmanaged<K>>,
     wc: watcher::Config,
     lean: fn(&mut K),
     writer: reflector::store::Writer<K>,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
-    keep(watcher(api, wc), lean, writer)
+    keep(watched(api, wc), lean, writer)
+}
+
+/// The watch of `api`'s objects under `wc`, each parsed without its
+/// `managedFields` ([`Unmanaged`]: never built, where parsing them and
+/// freeing them again was the largest part of a watch event's CPU).
+fn watched<K: Kept>(
+    api: Api<Unmanaged<K>>,
+    wc: watcher::Config,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static {
+    watcher(api, wc).map_ok(unmanaged::event)
 }
 
 /// The operator's own objects of kind `K` (labelled as managed by it) as
 /// they change, each made [`lean`] and kept in `writer`'s store as compact
 /// JSON ([`keep_compact`]).
 fn owned<K: Kept + serde::Serialize>(
-    api: Api<K>,
+    api: Api<Unmanaged<K>>,
     writer: reflector::store::Writer<Stored<K>>,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
     let wc = watch_config().labels(MANAGED_BY_SELECTOR);
-    keep_compact(watcher(api, wc), writer)
+    keep_compact(watched(api, wc), writer)
 }
 
 /// [`keep`] for an owned-object store: each object made [`lean`] and kept
@@ -613,10 +627,10 @@ pub async fn run_controller(
     let instance = config.instance;
     let (fleets, deps, svcs, pdbs) = match &namespace {
         Some(ns) => (
-            Api::<ConnectionFleet>::namespaced(client.clone(), ns),
-            Api::<Deployment>::namespaced(client.clone(), ns),
-            Api::<Service>::namespaced(client.clone(), ns),
-            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+            Api::<Unmanaged<ConnectionFleet>>::namespaced(client.clone(), ns),
+            Api::<Unmanaged<Deployment>>::namespaced(client.clone(), ns),
+            Api::<Unmanaged<Service>>::namespaced(client.clone(), ns),
+            Api::<Unmanaged<PodDisruptionBudget>>::namespaced(client.clone(), ns),
         ),
         None => (
             Api::all(client.clone()),
@@ -718,7 +732,7 @@ pub async fn run_controller(
     // relist. The epoch is bumped after `reflect`, never before: a profile
     // worked out at the new epoch must see the change (so not `keep`, whose
     // stages have no place for it between).
-    let node_events = watcher(Api::<Node>::all(client), watch_config())
+    let node_events = watched(Api::<Unmanaged<Node>>::all(client), watch_config())
         .modify(lean_node)
         .reflect(node_writer)
         .inspect_ok({

@@ -38,3 +38,4 @@ pub mod rollout;
 pub mod status;
 pub mod table;
 pub mod telemetry;
+pub mod unmanaged;

@@ -27,9 +27,11 @@ use crate::names::{
     FIELD_MANAGER, PAUSED_BY_FLEET_ANNOTATION, ROLLOUT_FIELD_MANAGER, labels, secret_name,
 };
 use crate::render::Rendered;
+use crate::unmanaged::Unmanaged;
 
-/// `obj` server-side applied (forced, under [`FIELD_MANAGER`]), as stored.
-async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
+/// `obj` server-side applied (forced, under [`FIELD_MANAGER`]), as stored
+/// (read without its `managedFields`, [`Unmanaged`]).
+async fn apply<K>(api: &Api<Unmanaged<K>>, obj: &K) -> Result<K, Error>
 where
     K: Resource<DynamicType = ()> + Serialize + DeserializeOwned + Clone + std::fmt::Debug,
 {
@@ -37,6 +39,7 @@ where
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     api.patch(&name, &pp, &Patch::Apply(obj))
         .await
+        .map(|stored| stored.0)
         .map_err(|source| Error::Apply {
             what: format!("apply {} {name}", K::kind(&())),
             source,
@@ -296,8 +299,8 @@ pub async fn gate(
 }
 
 /// Merge-patches the Deployment `name` with `patch` under
-/// [`ROLLOUT_FIELD_MANAGER`], and returns it as stored; `what` names the
-/// change in the error.
+/// [`ROLLOUT_FIELD_MANAGER`], and returns it as stored (without its
+/// `managedFields`); `what` names the change in the error.
 async fn rollout_patch(
     client: &Client,
     ns: &str,
@@ -309,9 +312,10 @@ async fn rollout_patch(
         field_manager: Some(ROLLOUT_FIELD_MANAGER.into()),
         ..Default::default()
     };
-    Api::<Deployment>::namespaced(client.clone(), ns)
+    Api::<Unmanaged<Deployment>>::namespaced(client.clone(), ns)
         .patch(name, &pp, &Patch::Merge(patch))
         .await
+        .map(|stored| stored.0)
         .map_err(|source| Error::Apply {
             what: what(),
             source,

@@ -17,6 +17,7 @@ use crate::api::ConnectionFleet;
 use crate::api::status::NodeSource;
 use crate::names::{FLEET_LABEL, secret_name};
 use crate::plan::{NodeFacts, PlanError, nodes};
+use crate::unmanaged::Unmanaged;
 
 /// The `resourceVersion` and `metadata.generation` this process last read
 /// (GET) or wrote (status) a fleet at ([`super::Context::seen`]).
@@ -77,10 +78,14 @@ pub async fn fleet(
         return Ok(Some(fleet.clone()));
     }
     let name = fleet.name_any();
-    Api::<ConnectionFleet>::namespaced(client.clone(), &fleet.namespace().unwrap_or_default())
-        .get_opt(&name)
-        .await
-        .map_err(Error::observe(format!("get ConnectionFleet {name}")))
+    Api::<Unmanaged<ConnectionFleet>>::namespaced(
+        client.clone(),
+        &fleet.namespace().unwrap_or_default(),
+    )
+    .get_opt(&name)
+    .await
+    .map(|read| read.map(|f| f.0))
+    .map_err(Error::observe(format!("get ConnectionFleet {name}")))
 }
 
 /// Node profile for the fleet and where its sizes came from: the
@@ -292,7 +297,8 @@ pub fn settled(deployment: &Deployment) -> bool {
 /// out): no rollout, no refusal and no pull error can be read then, and
 /// the lists would find only the current ReplicaSet, and the older ones at
 /// 0 replicas. Most of a fleet's reconciles (its status, its Service or
-/// budget, a node's change) come while it is settled.
+/// budget, a node's change) come while it is settled. Both lists are read
+/// without the objects' `managedFields` ([`Unmanaged`]).
 pub async fn workload(
     client: &Client,
     ns: &str,
@@ -304,11 +310,15 @@ pub async fn workload(
         return Ok(Workload::default());
     }
     let by_fleet = ListParams::default().labels(&format!("{FLEET_LABEL}={name}"));
-    let replica_sets = Api::<ReplicaSet>::namespaced(client.clone(), ns)
-        .list(&by_fleet)
-        .await
-        .map_err(Error::observe(format!("list ReplicaSets of {name}")))?
-        .items;
+    let replica_sets: Vec<ReplicaSet> =
+        Api::<Unmanaged<ReplicaSet>>::namespaced(client.clone(), ns)
+            .list(&by_fleet)
+            .await
+            .map_err(Error::observe(format!("list ReplicaSets of {name}")))?
+            .items
+            .into_iter()
+            .map(|rs| rs.0)
+            .collect();
     let wanted = deployment
         .spec
         .as_ref()
@@ -331,11 +341,14 @@ pub async fn workload(
         .count()
         > 1;
     let pods = if ready < wanted || rolling {
-        Api::<Pod>::namespaced(client.clone(), ns)
+        Api::<Unmanaged<Pod>>::namespaced(client.clone(), ns)
             .list(&by_fleet)
             .await
             .map_err(Error::observe(format!("list pods of {name}")))?
             .items
+            .into_iter()
+            .map(|pod| pod.0)
+            .collect()
     } else {
         Vec::new()
     };

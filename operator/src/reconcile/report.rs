@@ -19,6 +19,7 @@ use crate::plan::calibration::State as CalibrationState;
 use crate::reason::Announcement;
 use crate::rollout;
 use crate::status::{self, Outcome, Shards};
+use crate::unmanaged::Unmanaged;
 
 /// Requeue while shards roll out: Deployment status changes arrive through
 /// the owned-object watch; this only covers a rollout the watch might not
@@ -189,7 +190,7 @@ async fn write_status(
     status: &ConnectionFleetStatus,
 ) -> Result<(), Error> {
     let name = fleet.name_any();
-    let api: Api<ConnectionFleet> =
+    let api: Api<Unmanaged<ConnectionFleet>> =
         Api::namespaced(ctx.client.clone(), &fleet.namespace().unwrap_or_default());
     let patch = serde_json::json!({
         "apiVersion": "c10m.dev/v1alpha1",
@@ -207,6 +208,6 @@ async fn write_status(
             what: format!("update status of ConnectionFleet {name}"),
             source,
         })?;
-    ctx.seen(&written);
+    ctx.seen(&written.0);
     Ok(())
 }
