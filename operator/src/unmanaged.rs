@@ -17,7 +17,6 @@ use std::borrow::Cow;
 use std::fmt;
 
 use kube::Resource;
-use kube::api::ObjectMeta;
 use serde::de::value::{BorrowedStrDeserializer, StringDeserializer};
 use serde::de::{
     self, DeserializeSeed, Deserializer, EnumAccess, IgnoredAny, MapAccess, SeqAccess, Visitor,
@@ -44,29 +43,45 @@ impl<'de, K: Deserialize<'de>> Deserialize<'de> for Unmanaged<K> {
     }
 }
 
-impl<K: Resource<DynamicType = ()>> Resource for Unmanaged<K> {
-    type DynamicType = ();
-    type Scope = K::Scope;
+/// Implements [`Resource`] for a type that stands for the kind `$kind`
+/// (its group, version, kind, plural, scope, and whether its requests ask
+/// for metadata only, as `PartialObjectMeta`'s do): `[generics] Type =>
+/// Kind, |o| metadata of o, mutable metadata of o`.
+macro_rules! resource_as {
+    ([$($generics:tt)*] $ty:ty => $kind:ty, |$o:ident| $meta:expr, $meta_mut:expr) => {
+        impl<$($generics)*> ::kube::Resource for $ty {
+            type DynamicType = ();
+            type Scope = <$kind as ::kube::Resource>::Scope;
 
-    fn kind(dt: &()) -> Cow<'_, str> {
-        K::kind(dt)
-    }
-    fn group(dt: &()) -> Cow<'_, str> {
-        K::group(dt)
-    }
-    fn version(dt: &()) -> Cow<'_, str> {
-        K::version(dt)
-    }
-    fn plural(dt: &()) -> Cow<'_, str> {
-        K::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        self.0.meta()
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        self.0.meta_mut()
-    }
+            fn kind(dt: &()) -> ::std::borrow::Cow<'_, str> {
+                <$kind as ::kube::Resource>::kind(dt)
+            }
+            fn group(dt: &()) -> ::std::borrow::Cow<'_, str> {
+                <$kind as ::kube::Resource>::group(dt)
+            }
+            fn version(dt: &()) -> ::std::borrow::Cow<'_, str> {
+                <$kind as ::kube::Resource>::version(dt)
+            }
+            fn plural(dt: &()) -> ::std::borrow::Cow<'_, str> {
+                <$kind as ::kube::Resource>::plural(dt)
+            }
+            fn metadata_api() -> bool {
+                <$kind as ::kube::Resource>::metadata_api()
+            }
+            fn meta(&self) -> &::kube::api::ObjectMeta {
+                let $o = self;
+                $meta
+            }
+            fn meta_mut(&mut self) -> &mut ::kube::api::ObjectMeta {
+                let $o = self;
+                $meta_mut
+            }
+        }
+    };
 }
+pub(crate) use resource_as;
+
+resource_as!([K: Resource<DynamicType = ()>] Unmanaged<K> => K, |o| o.0.meta(), o.0.meta_mut());
 
 /// A watch's event of [`Unmanaged`] objects as the event of the objects.
 pub fn event<K>(
@@ -411,6 +426,18 @@ mod tests {
         let p: PartialObjectMeta<Deployment> = parsed(&partial);
         assert_eq!(p.metadata.managed_fields, None);
         assert_eq!(p.metadata.uid.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn requests_are_those_of_the_kind_stood_for() {
+        type Sets = PartialObjectMeta<k8s_openapi::api::apps::v1::ReplicaSet>;
+        // A metadata-only watch stays one (the API server sends metadata).
+        assert!(Unmanaged::<Sets>::metadata_api());
+        assert!(!Unmanaged::<Deployment>::metadata_api());
+        assert_eq!(
+            Unmanaged::<Deployment>::url_path(&(), Some("ns")),
+            Deployment::url_path(&(), Some("ns"))
+        );
     }
 
     #[test]

@@ -18,7 +18,6 @@
 //! behind the operator's back triggers a reconcile that finds the change in
 //! the store. [`difference`] decides what "would change nothing" means.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 use crate::autoscale::observe::{controller_uid, own_replica_sets};
 use crate::names::{CORDONED_ANNOTATION, POD_DELETION_COST};
 use crate::plan::{NodeFacts, nodes};
+use crate::unmanaged::resource_as;
 
 /// How long a reconcile waits for the stores' first lists after a start
 /// (or a leader's takeover) before it reads through the API instead; a
@@ -199,29 +199,7 @@ impl<'de> serde::Deserialize<'de> for KeptPod {
     }
 }
 
-impl Resource for KeptPod {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> Cow<'_, str> {
-        Pod::kind(dt)
-    }
-    fn group(dt: &()) -> Cow<'_, str> {
-        Pod::group(dt)
-    }
-    fn version(dt: &()) -> Cow<'_, str> {
-        Pod::version(dt)
-    }
-    fn plural(dt: &()) -> Cow<'_, str> {
-        Pod::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+resource_as!([] KeptPod => Pod, |o| &o.metadata, &mut o.metadata);
 
 /// The node profile ([`nodes::observed`]) each placement (node selector
 /// and tolerations) was last given, and the node store's epoch it was
@@ -440,29 +418,7 @@ impl<K: Resource + Serialize> Stored<K> {
     }
 }
 
-impl<K: Resource<DynamicType = ()>> Resource for Stored<K> {
-    type DynamicType = ();
-    type Scope = K::Scope;
-
-    fn kind(dt: &()) -> Cow<'_, str> {
-        K::kind(dt)
-    }
-    fn group(dt: &()) -> Cow<'_, str> {
-        K::group(dt)
-    }
-    fn version(dt: &()) -> Cow<'_, str> {
-        K::version(dt)
-    }
-    fn plural(dt: &()) -> Cow<'_, str> {
-        K::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+resource_as!([K: Resource<DynamicType = ()>] Stored<K> => K, |o| &o.metadata, &mut o.metadata);
 
 /// A watch event of `K` as its [`Stored`] form, for a store's writer.
 pub fn stored_event<K: Resource + Serialize>(e: &watcher::Event<K>) -> watcher::Event<Stored<K>> {
