@@ -83,6 +83,18 @@ pub(crate) use resource_as;
 
 resource_as!([K: Resource<DynamicType = ()>] Unmanaged<K> => K, |o| o.0.meta(), o.0.meta_mut());
 
+/// The objects `api` lists under `lp`, each read without its
+/// `managedFields`. Errors: the list request's.
+pub async fn list<K>(
+    api: &kube::Api<Unmanaged<K>>,
+    lp: &kube::api::ListParams,
+) -> kube::Result<Vec<K>>
+where
+    K: Resource<DynamicType = ()> + serde::de::DeserializeOwned + Clone + fmt::Debug,
+{
+    Ok(api.list(lp).await?.items.into_iter().map(|o| o.0).collect())
+}
+
 /// A watch's event of [`Unmanaged`] objects as the event of the objects.
 pub fn event<K>(
     e: kube::runtime::watcher::Event<Unmanaged<K>>,

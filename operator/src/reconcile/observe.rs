@@ -17,7 +17,7 @@ use crate::api::ConnectionFleet;
 use crate::api::status::NodeSource;
 use crate::names::{FLEET_LABEL, secret_name};
 use crate::plan::{NodeFacts, PlanError, nodes};
-use crate::unmanaged::Unmanaged;
+use crate::unmanaged::{self, Unmanaged};
 
 /// The `resourceVersion` and `metadata.generation` this process last read
 /// (GET) or wrote (status) a fleet at ([`super::Context::seen`]).
@@ -298,7 +298,7 @@ pub fn settled(deployment: &Deployment) -> bool {
 /// the lists would find only the current ReplicaSet, and the older ones at
 /// 0 replicas. Most of a fleet's reconciles (its status, its Service or
 /// budget, a node's change) come while it is settled. Both lists are read
-/// without the objects' `managedFields` ([`Unmanaged`]).
+/// without the objects' `managedFields` ([`unmanaged::list`]).
 pub async fn workload(
     client: &Client,
     ns: &str,
@@ -311,14 +311,9 @@ pub async fn workload(
     }
     let by_fleet = ListParams::default().labels(&format!("{FLEET_LABEL}={name}"));
     let replica_sets: Vec<ReplicaSet> =
-        Api::<Unmanaged<ReplicaSet>>::namespaced(client.clone(), ns)
-            .list(&by_fleet)
+        unmanaged::list(&Api::namespaced(client.clone(), ns), &by_fleet)
             .await
-            .map_err(Error::observe(format!("list ReplicaSets of {name}")))?
-            .items
-            .into_iter()
-            .map(|rs| rs.0)
-            .collect();
+            .map_err(Error::observe(format!("list ReplicaSets of {name}")))?;
     let wanted = deployment
         .spec
         .as_ref()
@@ -341,14 +336,9 @@ pub async fn workload(
         .count()
         > 1;
     let pods = if ready < wanted || rolling {
-        Api::<Unmanaged<Pod>>::namespaced(client.clone(), ns)
-            .list(&by_fleet)
+        unmanaged::list::<Pod>(&Api::namespaced(client.clone(), ns), &by_fleet)
             .await
             .map_err(Error::observe(format!("list pods of {name}")))?
-            .items
-            .into_iter()
-            .map(|pod| pod.0)
-            .collect()
     } else {
         Vec::new()
     };
