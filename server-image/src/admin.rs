@@ -484,7 +484,9 @@ pub struct AdminState {
     /// Bearer token for `POST /drain` and `POST /shed` (none: always 401).
     pub token: AdminToken,
     /// Starts a drain at the given rate (the main thread runs it, with its
-    /// deadline).
+    /// deadline). Called once the `POST /drain` that ordered it is answered
+    /// (or its connection is gone): a drain at rate 0 can end the process
+    /// at once, and the order's 202 must not be lost with it.
     pub drain: Box<dyn Fn(f64) + Send>,
     /// `--drain-rate`, for a `POST /drain` without `rate`.
     pub default_drain_rate: f64,
@@ -527,6 +529,9 @@ struct AdminConn {
     /// The answer, once there is one, and how much of it went out.
     out: Vec<u8>,
     sent: usize,
+    /// The drain rate a `POST /drain` on it ordered, started when the
+    /// connection is removed ([`Admin::remove`]), after its answer.
+    drain: Option<f64>,
 }
 
 /// What to do with a connection after driving it.
@@ -610,7 +615,7 @@ impl Admin {
                 .map(|(k, c)| (k, c.since));
             match oldest {
                 Some((key, since)) if now.duration_since(since) >= EVICT_AFTER => {
-                    self.drop_conn(key, AdminDrop::Limit);
+                    self.drop_conn(key, Some(AdminDrop::Limit));
                 }
                 _ => {
                     // Closing sends FIN: the client reads EOF at once.
@@ -637,6 +642,7 @@ impl Admin {
             reader: RequestReader::default(),
             out: Vec::new(),
             sent: 0,
+            drain: None,
         });
         // The request is often there already: no need to wait for an event.
         self.drive(key);
@@ -671,17 +677,23 @@ impl Admin {
             }
             Some(c) => write_answer(c),
         };
-        match next {
-            Next::Keep => {}
-            Next::Close => {
-                self.conns.remove(key);
-            }
+        if let Next::Close = next {
+            self.drop_conn(key, None);
         }
     }
 
-    fn drop_conn(&mut self, key: usize, reason: AdminDrop) {
-        if self.conns.try_remove(key).is_some() {
+    /// Removes connection `key` (closing it sends the FIN), counts it as
+    /// dropped for `reason` if given, and starts the drain it ordered.
+    fn drop_conn(&mut self, key: usize, reason: Option<AdminDrop>) {
+        let Some(c) = self.conns.try_remove(key) else {
+            return;
+        };
+        if let Some(reason) = reason {
             self.state.metrics.admin_dropped(reason).inc();
+        }
+        drop(c.stream);
+        if let Some(rate) = c.drain {
+            (self.state.drain)(rate);
         }
     }
 
@@ -694,7 +706,7 @@ impl Admin {
             .map(|(k, _)| k)
             .collect();
         for key in late {
-            self.drop_conn(key, AdminDrop::Deadline);
+            self.drop_conn(key, Some(AdminDrop::Deadline));
         }
     }
 }
@@ -718,7 +730,7 @@ fn read_request(c: &mut AdminConn, scratch: &mut [u8], state: &AdminState) -> Ne
                 return Next::Keep;
             }
             Parsed::Request(req) => {
-                c.out = answer(state, &req);
+                c.out = answer(state, &req, &mut c.drain);
                 return Next::Keep;
             }
         }
@@ -740,8 +752,9 @@ fn write_answer(c: &mut AdminConn) -> Next {
     Next::Close
 }
 
-/// Routes a complete request and serialises the answer.
-fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
+/// Routes a complete request and serialises the answer; an accepted
+/// `POST /drain` leaves its rate in `drain`.
+fn answer(state: &AdminState, req: &Request, drain: &mut Option<f64>) -> Vec<u8> {
     let (metrics, shared) = (&state.metrics, &state.shared);
     let health = if shared.draining() {
         Health::Draining
@@ -769,16 +782,18 @@ fn answer(state: &AdminState, req: &Request) -> Vec<u8> {
         metrics.encode(f)
     };
     let check = |authorization: Option<&str>| state.token.check(authorization);
-    let r = route_checked(req, health, &check, &encode, &mut |a| act(state, a));
+    let r = route_checked(req, health, &check, &encode, &mut |a| act(state, a, drain));
     render(&r, req.method == "HEAD")
 }
 
-fn act(state: &AdminState, action: Action) -> String {
+/// Carries out `action` and returns the answer's JSON body; a drain is only
+/// recorded in `drain`, for the caller to start once the answer is out.
+fn act(state: &AdminState, action: Action, drain: &mut Option<f64>) -> String {
     let shared = &state.shared;
     match action {
         Action::Drain { rate } => {
             let rate = rate.unwrap_or(state.default_drain_rate);
-            (state.drain)(rate);
+            *drain = Some(rate);
             format!(
                 "{{\"action\":\"drain\",\"rate\":{rate},\"live\":{}}}",
                 shared.serving()
@@ -1156,5 +1171,54 @@ mod tests {
         let head = String::from_utf8(render(&r, true)).unwrap();
         assert!(head.ends_with("\r\n\r\n"));
         assert!(head.contains("Content-Length: 3\r\n"));
+    }
+
+    /// A drain starts only once its order is answered: a drain at rate 0
+    /// may end the process at once, and the 202 must not go down with it.
+    /// Here the drain blocks, as a process that has ended would, until the
+    /// client has read the whole answer (a blocked drain before the write
+    /// would leave the client with nothing).
+    #[test]
+    fn a_drain_starts_once_its_order_is_answered() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (ordered, orders) = std::sync::mpsc::channel::<f64>();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = std::sync::Mutex::new(released);
+        let state = AdminState {
+            metrics: Arc::new(Metrics::new(1)),
+            shared: Arc::new(Shared::new(10, Arc::default())),
+            token: AdminToken::fixed("tok"),
+            drain: Box::new(move |rate| {
+                ordered.send(rate).unwrap();
+                let _ = released
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(Duration::from_secs(10));
+            }),
+            default_drain_rate: 50.0,
+        };
+        spawn(listener, state).unwrap();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        client
+            .write_all(b"POST /drain?rate=0 HTTP/1.1\r\nAuthorization: Bearer tok\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let read = client.read_to_string(&mut answer);
+        let rate = orders.recv_timeout(Duration::from_secs(5));
+        release.send(()).unwrap();
+        read.unwrap();
+        assert!(
+            answer.starts_with("HTTP/1.1 202 Accepted\r\n"),
+            "{answer:?}"
+        );
+        assert!(
+            answer.ends_with("{\"action\":\"drain\",\"rate\":0,\"live\":0}\n"),
+            "{answer:?}"
+        );
+        assert_eq!(rate, Ok(0.0));
     }
 }
