@@ -246,13 +246,17 @@ pub fn wait_condition(
     timeout: Duration,
 ) -> Value {
     let what = format!("fleet {name} {type_}={status} {}", reason.unwrap_or(""));
-    wait_for(&what, timeout, || {
-        let f = get_json(ns, "connectionfleet", name)?;
-        let c = condition(&f, type_)?;
-        (c["status"] == status
-            && reason.is_none_or(|r| c["reason"] == r)
-            && f["status"]["observedGeneration"] == f["metadata"]["generation"])
-            .then_some(f)
+    wait_seeing(&what, timeout, || {
+        let f = get_json(ns, "connectionfleet", name).ok_or("no fleet")?;
+        let c = condition(&f, type_).ok_or_else(|| format!("no {type_} condition"))?;
+        let current = f["status"]["observedGeneration"] == f["metadata"]["generation"];
+        if !(c["status"] == status && reason.is_none_or(|r| c["reason"] == r) && current) {
+            return Err(format!(
+                "{c} at observedGeneration {} of {}",
+                f["status"]["observedGeneration"], f["metadata"]["generation"]
+            ));
+        }
+        Ok(f)
     })
 }
 
@@ -279,16 +283,27 @@ pub fn fleet_pods(ns: &str, fleet: &str) -> Vec<Value> {
 }
 
 /// Polls `f` every 250 ms until it returns `Some`, or panics after `timeout`
-/// with `what` and the last value seen by `describe`.
+/// with `what`.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    wait_seeing(what, timeout, || f().ok_or_else(String::new))
+}
+
+/// Polls `f` every 250 ms until it returns `Ok`, or panics after `timeout`
+/// with `what` and what the last `Err` said it saw.
+pub fn wait_seeing<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<T, String>,
+) -> T {
     let start = Instant::now();
     loop {
-        if let Some(v) = f() {
-            return v;
-        }
+        let seen = match f() {
+            Ok(v) => return v,
+            Err(seen) => seen,
+        };
         assert!(
             start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
+            "timed out after {timeout:?} waiting for {what}; last seen: {seen}"
         );
         std::thread::sleep(Duration::from_millis(250));
     }
