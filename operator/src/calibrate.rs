@@ -214,7 +214,7 @@ pub enum Error {
     },
     /// The shard was OOM-killed before the last step.
     #[error(
-        "the shard was OOM-killed after {reached} idle connections (pod bytes then: {pod_bytes}); its memory limit is {limit} B"
+        "the shard was OOM-killed after {reached} idle connections (pod bytes then: {pod_bytes}); its memory limit is {limit} B ({evidence})"
     )]
     Oom {
         /// Idle connections held at the last sample.
@@ -223,6 +223,8 @@ pub enum Error {
         pod_bytes: u64,
         /// The plan's memory limit, bytes.
         limit: i64,
+        /// What said so: the kernel's count, the runtime's reason.
+        evidence: String,
     },
     /// The probe could not reach a step.
     #[error("the probe stopped: {0}")]
@@ -571,6 +573,31 @@ fn oom_killed(pod: &Pod) -> bool {
     })
 }
 
+/// What says the shard was OOM-killed, if anything does: the kernel
+/// counted a kill in its pod ([`Report::oom_kills`], read by the probe),
+/// or its runtime says `OOMKilled`. Either alone can miss one: a runtime
+/// that handles the exit before the OOM event reports `Error` (containerd
+/// 1.6, containerd/containerd#12260), and a container's v1 counter goes
+/// with its cgroup.
+fn oom_evidence(report: &Report, shard: &Pod) -> Option<String> {
+    let runtime = statuses(shard).iter().find_map(|c| {
+        let t = c.state.as_ref()?.terminated.as_ref()?;
+        let reason = t.reason.as_deref().unwrap_or_default();
+        Some(format!(
+            "container {} ended {reason}, exit code {}",
+            c.name, t.exit_code
+        ))
+    });
+    let runtime = runtime.unwrap_or_else(|| "the runtime has not reported its end".into());
+    match report.oom_kills {
+        0 if oom_killed(shard) => Some(runtime),
+        0 => None,
+        n => Some(format!(
+            "the kernel counted {n} OOM kill(s) in the pod; {runtime}"
+        )),
+    }
+}
+
 /// Polls `name` until `done` says something or `until` passes.
 async fn watch<T>(
     pods: &Api<Pod>,
@@ -849,8 +876,9 @@ async fn measure(
     })?;
     // A probe that stopped early may have lost its shard: the kubelet
     // reports the shard's end (and an OOM kill) a relist or more after the
-    // probe saw its connections reset, so wait for the end, bounded.
-    let shard_now = if report.error.is_some() {
+    // probe saw its connections reset, so wait for the end, bounded, unless
+    // the kernel's counter already said so.
+    let shard_now = if report.error.is_some() && report.oom_kills == 0 {
         let until = until.min(Instant::now() + SHARD_END_WAIT);
         watch(pods, &name, until, |p| {
             container_ended(p).then(|| p.clone())
@@ -862,12 +890,13 @@ async fn measure(
             .await
             .map_err(kube(format!("get pod {name}")))?
     };
-    if oom_killed(&shard_now) {
+    if let Some(evidence) = oom_evidence(&report, &shard_now) {
         let last = report.samples.iter().rfind(|s| s.slow_readers == 0);
         return Err(Error::Oom {
             reached: last.map_or(0, |s| s.idle_connections),
             pod_bytes: last.map_or(0, |s| s.pod_bytes),
             limit: plan.memory_limit_bytes,
+            evidence,
         });
     }
     Ok((node, image_id, report))
@@ -1105,6 +1134,28 @@ mod tests {
         assert!(container_ended(&killed) && oom_killed(&killed));
         let failed = pod(serde_json::json!({"terminated": {"exitCode": 1, "reason": "Error"}}));
         assert!(container_ended(&failed) && !oom_killed(&failed));
+        // The kernel's count decides when the runtime lost the OOM event.
+        let lost = pod(serde_json::json!({"terminated": {"exitCode": 137, "reason": "Error"}}));
+        let mut report = Report::default();
+        assert_eq!(oom_evidence(&report, &lost), None);
+        assert_eq!(oom_evidence(&report, &running), None);
+        assert_eq!(
+            oom_evidence(&report, &killed).as_deref(),
+            Some("container server ended OOMKilled, exit code 137")
+        );
+        report.oom_kills = 1;
+        assert_eq!(
+            oom_evidence(&report, &lost).as_deref(),
+            Some(
+                "the kernel counted 1 OOM kill(s) in the pod; container server ended Error, exit code 137"
+            )
+        );
+        assert_eq!(
+            oom_evidence(&report, &running).as_deref(),
+            Some(
+                "the kernel counted 1 OOM kill(s) in the pod; the runtime has not reported its end"
+            )
+        );
         let unknown: Pod =
             serde_json::from_value(serde_json::json!({"metadata": {"name": "x"}})).unwrap();
         assert!(!container_ended(&unknown));

@@ -1354,6 +1354,12 @@ fn a_fleet_asking_for_calibration_is_planned_from_its_own_measurement() {
 /// `c10m-operator calibrate --steps 4000,8000 --slow-readers 1000`,
 /// 2026-12-06): about 136 MB asked, the limit passed at about 4,900 slow
 /// readers.
+///
+/// The kill must not depend on the runtime's word either: containerd 1.6
+/// can handle the container's exit before its OOM event and report
+/// `Error` (containerd/containerd#12260; a CI run waited out its 4 minutes
+/// here, 2026-12-06). The probe reads the kernel's `oom_kill` count in the
+/// pod's memory cgroups as it stops, and either says so.
 #[test]
 fn a_calibration_killed_for_memory_says_how_far_it_got() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -1394,6 +1400,13 @@ fn a_calibration_killed_for_memory_says_how_far_it_got() {
         "{message}"
     );
     assert!(message.contains("pod bytes then: "), "{message}");
+    // What said so: the kernel's count the probe read, or the runtime's
+    // reason (containerd 1.6 can lose the latter, containerd#12260).
+    assert!(
+        message.contains("the kernel counted 1 OOM kill(s) in the pod")
+            || message.contains("container server ended OOMKilled, exit code 137"),
+        "{message}"
+    );
     assert!(f["status"].get("calibration").is_none(), "{f}");
     assert_eq!(f["status"]["plan"]["userBytesSource"], "Spec", "{f}");
     // The fleet does not wait for a calibration that failed.

@@ -93,4 +93,14 @@ pub struct Report {
     /// shard's processes gone, the timeout), or none. The samples taken
     /// before still count.
     pub error: Option<String>,
+    /// OOM kills the kernel counted in the shard pod's memory cgroups when
+    /// the probe ended (v1: `oom_kill` of `memory.oom_control` in the pod's
+    /// cgroup and each container's, which v1 does not add up; v2: `oom_kill`
+    /// of the pod's `memory.events`, which counts its children). The
+    /// kernel's own word on a kill: a runtime can report an OOM-killed
+    /// container as `Error` when it handles the exit before the OOM event
+    /// (containerd 1.6, containerd/containerd#12260). 0 when the counters
+    /// were gone or unreadable, and in reports of probes without the field.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub oom_kills: u64,
 }

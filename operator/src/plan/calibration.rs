@@ -528,6 +528,7 @@ mod tests {
             socket_accounted: false,
             samples,
             error: None,
+            oom_kills: 0,
         }
     }
 

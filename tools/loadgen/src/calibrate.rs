@@ -416,6 +416,36 @@ impl PodCgroup {
             CgroupMode::V2 => memory_v2(int("memory.current")?, &text("memory.stat")?),
         }
     }
+
+    /// OOM kills the kernel counted in the pod ([`Report::oom_kills`]):
+    /// v1 adds `memory.oom_control` `oom_kill` of the pod's directory and
+    /// of each directory below it (a container's), since v1 counts a kill
+    /// only in the cgroup it happened in; v2 reads the pod's
+    /// `memory.events`, which counts its descendants'. Unreadable counters
+    /// (a container's cgroup removed after its exit) count 0.
+    ///
+    /// [`Report::oom_kills`]: c10m_wire::calibrate::Report::oom_kills
+    pub fn oom_kills(&self) -> u64 {
+        let read = |dir: &Path, file: &str| {
+            fs::read_to_string(dir.join(file))
+                .ok()
+                .and_then(|t| stat_field(&t, "oom_kill"))
+                .unwrap_or(0)
+        };
+        match self.mode {
+            CgroupMode::V1 => {
+                let children = fs::read_dir(&self.dir).into_iter().flatten().flatten();
+                let dirs = children
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path());
+                std::iter::once(self.dir.clone())
+                    .chain(dirs)
+                    .map(|d| read(&d, "memory.oom_control"))
+                    .sum()
+            }
+            CgroupMode::V2 => read(&self.dir, "memory.events"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -652,6 +682,19 @@ mod tests {
             dir,
         };
         assert_eq!(cg.memory(false).unwrap().kernel, 21_000_000);
+        // v1 counts a kill only where it happened: the pod's counter says 0
+        // while a container's says 1; a container without the file adds 0.
+        assert_eq!(cg.oom_kills(), 0);
+        let control = "oom_kill_disable 0\nunder_oom 0\noom_kill {}\n";
+        t.file(
+            &format!("{pod}/memory.oom_control"),
+            &control.replace("{}", "0"),
+        );
+        t.file(
+            &format!("{pod}/abc123/memory.oom_control"),
+            &control.replace("{}", "1"),
+        );
+        assert_eq!(cg.oom_kills(), 1);
 
         assert!(!socket_accounted(CgroupMode::V1, &root).unwrap());
         t.file(
@@ -680,8 +723,15 @@ mod tests {
         let dir = find_pod_cgroup(&mode.memory_root(&t.0), uid).unwrap();
         assert_eq!(dir, t.0.join(pod));
         assert_eq!(cgroup_pids(&dir), [314]);
-        let m = PodCgroup { mode, dir }.memory(true).unwrap();
+        let cg = PodCgroup { mode, dir };
+        let m = cg.memory(true).unwrap();
         assert_eq!(m.pod, 9_000_000);
+        assert_eq!(cg.oom_kills(), 0);
+        t.file(
+            &format!("{pod}/memory.events"),
+            "low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\noom_group_kill 0\n",
+        );
+        assert_eq!(cg.oom_kills(), 1);
         assert!(socket_accounted(mode, &t.0).unwrap());
     }
 }

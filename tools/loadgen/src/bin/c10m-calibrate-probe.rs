@@ -502,7 +502,6 @@ fn raise_nofile(idle: u64, slow: u64) -> Result<(), String> {
 
 fn probe(args: &Args, report: &mut Report, conns: &mut Option<Conns>) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_seconds);
-    let settle = Duration::from_secs(args.settle_seconds);
     let mode = CgroupMode::detect(&args.cgroup_root);
     report.cgroup_mode = mode.name().into();
     raise_nofile(args.steps.last(), args.slow_readers)?;
@@ -529,6 +528,23 @@ fn probe(args: &Args, report: &mut Report, conns: &mut Option<Conns>) -> Result<
         pid: None,
     };
     let conns = conns.insert(Conns::new(args, deadline)?);
+    let result = steps(args, &mut shard, conns, report);
+    // Read once it ended: a shard OOM-killed mid-step resets the probe's
+    // connections at once, before its runtime removes the container's
+    // cgroup with the counter in it.
+    report.oom_kills = shard.cgroup.oom_kills();
+    result
+}
+
+/// Takes the samples: none open, each step of idle connections, then the
+/// slow readers.
+fn steps(
+    args: &Args,
+    shard: &mut Shard,
+    conns: &mut Conns,
+    report: &mut Report,
+) -> Result<(), String> {
+    let settle = Duration::from_secs(args.settle_seconds);
     let take = |shard: &mut Shard, conns: &mut Conns, report: &mut Report| {
         let s = shard.settled(conns, settle)?;
         eprintln!(
@@ -545,15 +561,15 @@ fn probe(args: &Args, report: &mut Report, conns: &mut Option<Conns>) -> Result<
         report.samples.push(s);
         Ok::<(), String>(())
     };
-    take(&mut shard, conns, report)?;
+    take(shard, conns, report)?;
     for &step in &args.steps.0 {
         conns.open(Kind::Idle, step)?;
-        take(&mut shard, conns, report)?;
+        take(shard, conns, report)?;
     }
     if args.slow_readers > 0 {
         conns.open(Kind::Slow, args.slow_readers)?;
         conns.absorb(|| shard.sockstat().map(|s| s.mem_pages))?;
-        take(&mut shard, conns, report)?;
+        take(shard, conns, report)?;
     }
     Ok(())
 }
