@@ -19,8 +19,8 @@ use c10m_wire::admin::TOKEN_KEY;
 use c10m_wire::calibrate::{self as wire, Report};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
-    Container, ContainerStatus, HostPathVolumeSource, Pod, PodCondition, PodSpec,
-    ResourceRequirements, Secret, Toleration, Volume, VolumeMount,
+    Container, ContainerStateTerminated, ContainerStatus, HostPathVolumeSource, Pod, PodCondition,
+    PodSpec, ResourceRequirements, Secret, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
@@ -539,15 +539,18 @@ fn stuck(pod: &Pod) -> Option<String> {
             .terminated
             .as_ref()
             .filter(|t| t.exit_code != 0 || !init.contains(c));
-        ended.map(|t| {
-            format!(
-                "container {} exited {} ({})",
-                c.name,
-                t.exit_code,
-                t.reason.as_deref().unwrap_or_default()
-            )
-        })
+        ended.map(|t| exited(c, t))
     })
+}
+
+/// `container NAME exited CODE (REASON)`: how a container's end is quoted.
+fn exited(c: &ContainerStatus, t: &ContainerStateTerminated) -> String {
+    format!(
+        "container {} exited {} ({})",
+        c.name,
+        t.exit_code,
+        t.reason.as_deref().unwrap_or_default()
+    )
 }
 
 /// How long a calibration whose probe stopped early waits for the kubelet
@@ -580,14 +583,9 @@ fn oom_killed(pod: &Pod) -> bool {
 /// 1.6, containerd/containerd#12260), and a container's v1 counter goes
 /// with its cgroup.
 fn oom_evidence(report: &Report, shard: &Pod) -> Option<String> {
-    let runtime = statuses(shard).iter().find_map(|c| {
-        let t = c.state.as_ref()?.terminated.as_ref()?;
-        let reason = t.reason.as_deref().unwrap_or_default();
-        Some(format!(
-            "container {} ended {reason}, exit code {}",
-            c.name, t.exit_code
-        ))
-    });
+    let runtime = statuses(shard)
+        .iter()
+        .find_map(|c| Some(exited(c, c.state.as_ref()?.terminated.as_ref()?)));
     let runtime = runtime.unwrap_or_else(|| "the runtime has not reported its end".into());
     match report.oom_kills {
         0 if oom_killed(shard) => Some(runtime),
@@ -1141,13 +1139,13 @@ mod tests {
         assert_eq!(oom_evidence(&report, &running), None);
         assert_eq!(
             oom_evidence(&report, &killed).as_deref(),
-            Some("container server ended OOMKilled, exit code 137")
+            Some("container server exited 137 (OOMKilled)")
         );
         report.oom_kills = 1;
         assert_eq!(
             oom_evidence(&report, &lost).as_deref(),
             Some(
-                "the kernel counted 1 OOM kill(s) in the pod; container server ended Error, exit code 137"
+                "the kernel counted 1 OOM kill(s) in the pod; container server exited 137 (Error)"
             )
         );
         assert_eq!(

@@ -530,7 +530,7 @@ struct AdminConn {
     out: Vec<u8>,
     sent: usize,
     /// The drain rate a `POST /drain` on it ordered, started when the
-    /// connection is removed ([`Admin::remove`]), after its answer.
+    /// connection is removed ([`Admin::drop_conn`]), after its answer.
     drain: Option<f64>,
 }
 

@@ -301,10 +301,12 @@ pub fn wait_seeing<T>(
             Ok(v) => return v,
             Err(seen) => seen,
         };
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}; last seen: {seen}"
-        );
+        if start.elapsed() >= timeout {
+            match seen.as_str() {
+                "" => panic!("timed out after {timeout:?} waiting for {what}"),
+                seen => panic!("timed out after {timeout:?} waiting for {what}; last seen: {seen}"),
+            }
+        }
         std::thread::sleep(Duration::from_millis(250));
     }
 }

@@ -1404,7 +1404,7 @@ fn a_calibration_killed_for_memory_says_how_far_it_got() {
     // reason (containerd 1.6 can lose the latter, containerd#12260).
     assert!(
         message.contains("the kernel counted 1 OOM kill(s) in the pod")
-            || message.contains("container server ended OOMKilled, exit code 137"),
+            || message.contains("container server exited 137 (OOMKilled)"),
         "{message}"
     );
     assert!(f["status"].get("calibration").is_none(), "{f}");
