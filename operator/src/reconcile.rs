@@ -20,6 +20,7 @@ pub mod cache;
 pub mod cordon;
 pub mod observe;
 pub mod report;
+pub mod token;
 
 use std::collections::HashMap;
 use std::pin::pin;
@@ -39,7 +40,7 @@ use tracing::warn;
 
 use crate::api::status::{CalibrationStatus, FigureSource, NodeSource, RolloutStatus};
 use crate::api::{ConnectionFleet, Plan, SysctlMode};
-use crate::autoscale;
+use crate::autoscale::{self, act::AdminToken};
 use crate::calibrate;
 use crate::names::{FIELD_MANAGER, secret_name};
 use crate::plan::calibration::State as CalibrationState;
@@ -248,6 +249,8 @@ pub struct Context {
     /// The version this process last read (GET) or wrote (status) each
     /// fleet at ([`observe::fleet`]).
     versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, observe::Known>>,
+    /// The fleets' admin tokens, kept between reconciles ([`token`]).
+    pub tokens: token::Tokens,
     /// The calibrations this process runs (`spec.backend.calibrate`).
     calibrations: calibrate::Runs,
     /// The fleets' Service applies ([`apply::ServiceApplies`]).
@@ -292,6 +295,7 @@ impl Context {
             cache: None,
             gates: Mutex::default(),
             versions: Mutex::default(),
+            tokens: token::Tokens::default(),
             calibrations: calibrate::Runs::default(),
             services,
             services_ended: Mutex::new(Some(services_ended)),
@@ -427,6 +431,7 @@ pub async fn reconcile(fleet: Arc<ConnectionFleet>, ctx: Arc<Context>) -> Result
         }
         Ok(None) => {
             ctx.versions.lock().unwrap().remove(&key);
+            ctx.tokens.forget(&key);
             return Ok(Action::await_change());
         }
         Err(e) => return report::report(&ctx, &fleet, e.into(), None, &now).await,
@@ -470,14 +475,17 @@ async fn pipeline(
     let state = runs.tick(&ctx.client, fleet, latest.as_ref(), facts, &ctx.policy, now); // starts a run
     let first = latest.is_none() && matches!(state, CalibrationState::Running { .. });
     *calibration = Some((latest, state));
-    // The admin Secret is read beside the other objects; a new fleet's is
-    // created then instead (one round trip less before its Deployment; it
-    // is the fleet's own even when another object blocks the fleet). The
-    // token is needed before the applies only by the metrics loop's shed
-    // orders: a fleet whose Deployment the cache holds and whose loop does
-    // not run reads its Secret while it applies (one round trip less
-    // before a re-plan's Deployment; a Secret refused is then reported
-    // after the apply of objects that exist already).
+    // The admin token is the one kept from an earlier reconcile while it
+    // holds ([`token`]); else the admin Secret is read beside the other
+    // objects, and a new fleet's is created then instead (one round trip
+    // less before its Deployment; it is the fleet's own even when another
+    // object blocks the fleet). The token is needed before the applies
+    // only by the metrics loop's shed orders: a fleet whose Deployment the
+    // cache holds and whose loop does not run reads its Secret while it
+    // applies (one round trip less before a re-plan's Deployment; a Secret
+    // refused is then reported after the apply of objects that exist
+    // already).
+    let kept = ctx.tokens.kept(fleet, Instant::now());
     let cached = observe::deployment_cached(cache, fleet);
     let new = observe::new_fleet(cached, fleet);
     let apply_first = cached == Some(true) && !autoscale::decide::runs(&fleet.spec);
@@ -491,7 +499,7 @@ async fn pipeline(
     };
     let mut secret = pin!(futures::future::maybe_done(secret));
     let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid);
-    let owned = match apply_first {
+    let owned = match apply_first || kept.is_some() {
         true => owned.await,
         false => futures::join!(owned, secret.as_mut()).0,
     }?; // client required
@@ -510,21 +518,29 @@ async fn pipeline(
         cache,
         previous,
     };
-    let (looped, deployment, held, token) = if apply_first {
-        let (applied, ()) = futures::join!(step.apply(live, None), secret.as_mut());
-        let (looped, deployment, held) = applied?;
-        let read = secret
-            .take_output()
-            .expect("the Secret's read ran to its end");
-        let token = admin_token(&step, read, |e| failed(&plan, Some(looped.clone()), e)).await?;
-        (looped, deployment, held, token)
-    } else {
-        let read = secret
-            .take_output()
-            .expect("the Secret's read ran to its end");
-        let token = admin_token(&step, read, |e| failed(&plan, None, e)).await?;
-        let (looped, deployment, held) = step.apply(live, Some(&token)).await?;
-        (looped, deployment, held, token)
+    let (looped, deployment, held, token) = match kept {
+        Some(token) => {
+            let (looped, deployment, held) = step.apply(live, Some(&token)).await?;
+            (looped, deployment, held, token)
+        }
+        None if apply_first => {
+            let (applied, ()) = futures::join!(step.apply(live, None), secret.as_mut());
+            let (looped, deployment, held) = applied?;
+            let read = secret
+                .take_output()
+                .expect("the Secret's read ran to its end");
+            let token =
+                admin_token(&step, read, |e| failed(&plan, Some(looped.clone()), e)).await?;
+            (looped, deployment, held, token)
+        }
+        None => {
+            let read = secret
+                .take_output()
+                .expect("the Secret's read ran to its end");
+            let token = admin_token(&step, read, |e| failed(&plan, None, e)).await?;
+            let (looped, deployment, held) = step.apply(live, Some(&token)).await?;
+            (looped, deployment, held, token)
+        }
     };
     let workload =
         observe::workload(&ctx.client, &ns, &name, &deployment, previous.is_some()).await; // client required
@@ -641,7 +657,7 @@ impl Step<'_> {
     async fn apply(
         &self,
         live: Option<Deployment>,
-        token: Option<&str>,
+        token: Option<&AdminToken>,
     ) -> Result<(autoscale::Outcome, Deployment, Option<Timestamp>), Ended> {
         let (ctx, fleet, plan) = (self.ctx, self.fleet, self.plan);
         let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
@@ -682,13 +698,14 @@ impl Step<'_> {
 
 /// The admin token from the fleet's Secret as `read` (`Ok(None)`: there
 /// is none, and one is created now), once the Secret's controller is
-/// checked. Errors: the read or the create failed, or the Secret holds no
-/// usable token (`failed`), or it is not the fleet's (`ObjectConflict`).
+/// checked, kept for the reconciles after ([`token::Tokens::keep`]).
+/// Errors: the read or the create failed, or the Secret holds no usable
+/// token (`failed`), or it is not the fleet's (`ObjectConflict`).
 async fn admin_token(
     step: &Step<'_>,
     read: Result<Option<Secret>, Error>,
     failed: impl Fn(Error) -> Ended,
-) -> Result<String, Ended> {
+) -> Result<Arc<AdminToken>, Ended> {
     let (client, fleet, owner) = (&step.ctx.client, step.fleet, step.owner);
     let (ns, name) = (fleet.namespace().unwrap_or_default(), fleet.name_any());
     let secret = match read.map_err(&failed)? {
@@ -698,11 +715,12 @@ async fn admin_token(
             .map_err(&failed)?, // client required
     };
     reject_conflict(observe::secret_conflict(&secret, &name, &owner.uid))?; // no client required
-    apply::secret_token(&secret).ok_or_else(|| {
+    let token = apply::secret_token(&secret).ok_or_else(|| {
         failed(Error::AdminSecretInvalid {
             name: secret_name(&name),
         })
-    })
+    })?;
+    Ok(step.ctx.tokens.keep(fleet, token, Instant::now()))
 }
 
 fn failed(plan: &Plan, looped: Option<autoscale::Outcome>, error: Error) -> Ended {
@@ -784,7 +802,7 @@ async fn metrics_loop(
     fleet: &ConnectionFleet,
     plan: &Plan,
     current: Option<i32>,
-    token: Option<&str>,
+    token: Option<&AdminToken>,
 ) -> Result<autoscale::Outcome, Error> {
     let key = ObjectRef::from_obj(fleet);
     let ns = fleet.namespace().unwrap_or_default();

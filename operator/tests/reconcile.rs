@@ -27,6 +27,7 @@ use http::Method;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::reflector::{self, ObjectRef};
@@ -72,6 +73,20 @@ fn fleet(spec: Value) -> ConnectionFleet {
         "spec": spec,
     }))
     .expect("a valid ConnectionFleet")
+}
+
+/// `fleet` as the API server stores it after a change of its spec: a new
+/// `resourceVersion` and generation.
+fn bump(fleet: &mut ConnectionFleet) {
+    let rv: u64 = fleet
+        .metadata
+        .resource_version
+        .as_deref()
+        .unwrap()
+        .parse()
+        .unwrap();
+    fleet.metadata.resource_version = Some((rv + 1000).to_string());
+    fleet.metadata.generation = Some(fleet.metadata.generation.unwrap_or(1) + 1);
 }
 
 /// A spec that plans with no node in the cluster (node memory and CPUs given).
@@ -1268,6 +1283,7 @@ async fn a_new_fleet_creates_its_secret_unread_and_a_replan_applies_while_it_is_
     h.cluster.lock().unwrap().hold = Some((Method::GET, SECRET, gate));
     let mut replanned = h.stored_fleet();
     replanned.spec.connections = 2_000_000;
+    bump(&mut replanned);
     let ctx = h.ctx.clone();
     let reconciling = tokio::spawn(reconcile(Arc::new(replanned), ctx));
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -1291,4 +1307,55 @@ async fn a_new_fleet_creates_its_secret_unread_and_a_replan_applies_while_it_is_
     let calls = h.api.take();
     assert!(writes_to(&calls, SECRETS).is_empty(), "{calls:#?}");
     assert_eq!(condition(&status_writes(&calls)[0], "Degraded").0, "False");
+}
+
+/// Issue 23: the admin token read (or created) by one reconcile is kept
+/// for the next ones: a settled fleet nobody changed reads no Secret (at
+/// one read a sync, it was all the API reads of an autoscaled fleet's
+/// metrics loop). A change of the fleet by anyone but the operator has it
+/// read again, which is how a person who fixed the Secret has it seen
+/// (`tests/tests/fleet.rs`).
+#[tokio::test]
+async fn a_kept_admin_token_is_read_again_only_after_someone_changes_the_fleet() {
+    let cached = fleet(feasible());
+    let h = Harness::start_cached(Cluster {
+        ready: true,
+        ..Cluster::with_fleet(&cached)
+    });
+    let secret_reads = |calls: &[Call]| calls.iter().filter(|c| c.is(Method::GET, SECRET)).count();
+
+    h.reconcile(&cached).await.expect("applied");
+    let calls = h.api.take();
+    assert_eq!(writes_to(&calls, SECRETS).len(), 1, "{calls:#?}");
+    assert_eq!(secret_reads(&calls), 0, "{calls:#?}");
+    h.sync_caches();
+
+    // The watch delivers the fleet as the operator wrote its status: the
+    // token created above is used, nothing read, nothing created.
+    for _ in 0..3 {
+        h.reconcile(&h.stored_fleet()).await.expect("reconciled");
+        let calls = h.api.take();
+        assert_eq!(secret_reads(&calls), 0, "{calls:#?}");
+        assert!(writes_to(&calls, SECRETS).is_empty(), "{calls:#?}");
+    }
+
+    // Someone annotates the fleet: a new resourceVersion, the same
+    // generation. The Secret is read once, then kept again.
+    let mut touched = h.stored_fleet();
+    touched
+        .annotations_mut()
+        .insert("e2e.c10m.dev/poke".into(), "1".into());
+    let rv: u64 = touched.resource_version().unwrap().parse().unwrap();
+    touched.metadata.resource_version = Some((rv + 1).to_string());
+    h.cluster
+        .lock()
+        .unwrap()
+        .objects
+        .insert(FLEET.into(), serde_json::to_value(&touched).unwrap());
+    h.reconcile(&touched).await.expect("reconciled");
+    let calls = h.api.take();
+    assert_eq!(secret_reads(&calls), 1, "{calls:#?}");
+    h.reconcile(&h.stored_fleet()).await.expect("reconciled");
+    let calls = h.api.take();
+    assert_eq!(secret_reads(&calls), 0, "{calls:#?}");
 }

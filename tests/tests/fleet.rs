@@ -899,9 +899,10 @@ fn a_broken_admin_secret_degrades_its_fleet_only() {
         "-p",
         r#"[{"op":"remove","path":"/data/token"}]"#,
     ]);
-    // The operator reads the Secret on every reconcile of its fleet (it
-    // does not watch Secrets: RBAC gives it get and create only); any change
-    // of the fleet, or the periodic resync, brings that reconcile.
+    // The operator does not watch Secrets (RBAC gives it get and create
+    // only) and keeps the token it read between reconciles; a change of
+    // the fleet by anyone else has it read the Secret again (as do a
+    // shard's 401 and 5 minutes, operator/src/reconcile/token.rs).
     kubectl(&[
         "annotate",
         "connectionfleet",

@@ -5,6 +5,7 @@
 //! admin endpoint (`POST /shed?count=N&rate=R`, bearer token). A failed API
 //! call ends the sync; a failed shed order becomes a `ShedFailed` event.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::{StreamExt, stream};
@@ -30,6 +31,43 @@ use crate::reason::{Announcement, EventAction, Reason};
 /// once (the controller's concurrency) open at most 2,048 sockets.
 pub const ORDERS_AT_ONCE: usize = 16;
 
+/// A fleet's admin bearer token as the operator holds it between
+/// reconciles (`reconcile::token`), and whether a shard has rejected it: an
+/// order answered 401 or 403 (the Secret was rotated and the shard's
+/// mounted copy is newer, or the Secret was replaced), after which the
+/// operator reads the Secret again instead of keeping this token.
+#[derive(Debug)]
+pub struct AdminToken {
+    value: String,
+    rejected: AtomicBool,
+}
+
+impl AdminToken {
+    /// `value`, not rejected.
+    pub fn new(value: String) -> Self {
+        AdminToken {
+            value,
+            rejected: AtomicBool::new(false),
+        }
+    }
+
+    /// The bearer token.
+    pub fn as_str(&self) -> &str {
+        &self.value
+    }
+
+    /// Whether a shard answered an order sent with it 401 or 403.
+    pub fn rejected(&self) -> bool {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
+    /// Marks it rejected (a shard answered an order sent with it 401 or
+    /// 403).
+    pub(crate) fn reject(&self) {
+        self.rejected.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Runs `orders` [`ORDERS_AT_ONCE`] at a time and returns what each gave,
 /// in their order. They come made, in a `Vec`: a stream adapter's closure
 /// that makes them inside the reconcile's future trips the compiler's
@@ -50,7 +88,7 @@ pub async fn act(
     decision: &Decision,
     pods: &Api<Pod>,
     http: &reqwest::Client,
-    token: Option<&str>,
+    token: Option<&AdminToken>,
 ) -> Result<Acted, kube::Error> {
     unmark(pods, &decision.unmark).await?;
     mark_for_deletion(pods, &decision.victims).await?;
@@ -115,7 +153,7 @@ pub async fn shed(
     http: &reqwest::Client,
     ip: &str,
     port: i32,
-    token: &str,
+    token: &AdminToken,
     order: &ShedOrder,
 ) -> anyhow::Result<()> {
     let target = format!(
@@ -135,13 +173,14 @@ pub async fn shed(
 /// [`c10m_wire::admin`]) with the fleet's bearer `token` to the admin
 /// endpoint of shard `pod` at `ip:port`, within 5 s, and returns the
 /// answer's body (the server's JSON report of the order). Errors name the
-/// pod, the URL and the answer.
+/// pod, the URL and the answer; a 401 or 403 also marks the `token`
+/// rejected ([`AdminToken::rejected`]).
 pub async fn post(
     http: &reqwest::Client,
     pod: &str,
     ip: &str,
     port: i32,
-    token: &str,
+    token: &AdminToken,
     target: &str,
 ) -> anyhow::Result<String> {
     let url = format!("http://{ip}:{port}{target}");
@@ -151,12 +190,16 @@ pub async fn post(
     };
     let res = http
         .post(&url)
-        .bearer_auth(token)
+        .bearer_auth(token.as_str())
         .timeout(Duration::from_secs(5))
         .send()
         .await
         .map_err(failed)?;
-    if !res.status().is_success() {
+    let status = res.status();
+    if matches!(status.as_u16(), 401 | 403) {
+        token.reject();
+    }
+    if !status.is_success() {
         anyhow::bail!("order to {pod} ({url}): HTTP {}", res.status());
     }
     res.text().await.map_err(failed)
@@ -185,17 +228,19 @@ mod tests {
         let port = listener.local_addr().unwrap().port();
         drop(listener);
         let http = reqwest::Client::new();
-        let err = post(&http, "push-0", "127.0.0.1", port.into(), "t", "/cordon")
+        let t = AdminToken::new("t".into());
+        let err = post(&http, "push-0", "127.0.0.1", port.into(), &t, "/cordon")
             .await
             .unwrap_err();
         assert!(refused(&err), "{err:#}");
         assert!(err.to_string().contains("push-0"), "{err}");
         // A shard that answers, even with an error, is not refused.
         let (port, _head) = shard("404 Not Found").await;
-        let err = post(&http, "push-0", "127.0.0.1", port.into(), "t", "/cordon")
+        let err = post(&http, "push-0", "127.0.0.1", port.into(), &t, "/cordon")
             .await
             .unwrap_err();
         assert!(!refused(&err), "{err:#}");
+        assert!(!t.rejected(), "a 404 says nothing of the token");
     }
 
     /// A one-request HTTP server answering `status`; yields the request head.
@@ -222,7 +267,7 @@ mod tests {
     }
 
     /// Orders pod `push-0` (at 127.0.0.1:`port`) to shed 150 connections at 33/s.
-    async fn send(port: u16, token: &str) -> anyhow::Result<()> {
+    async fn send(port: u16, token: &AdminToken) -> anyhow::Result<()> {
         let order = ShedOrder {
             pod: "push-0".into(),
             count: 150,
@@ -241,7 +286,9 @@ mod tests {
     #[tokio::test]
     async fn a_shed_order_posts_count_and_rate_with_the_token() {
         let (port, head) = shard("200 OK").await;
-        send(port, "s3cret").await.unwrap();
+        let token = AdminToken::new("s3cret".into());
+        send(port, &token).await.unwrap();
+        assert!(!token.rejected());
         let head = head.await.unwrap().to_ascii_lowercase();
         assert!(
             head.starts_with("post /shed?count=150&rate=33 http/1.1"),
@@ -251,9 +298,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_shed_order_names_the_pod_and_the_answer() {
-        let (port, _head) = shard("401 Unauthorized").await;
-        let err = send(port, "bad").await.unwrap_err().to_string();
-        assert!(err.contains("push-0") && err.contains("401"), "{err}");
+    async fn a_rejected_shed_order_names_the_pod_and_the_answer_and_marks_the_token() {
+        for status in ["401 Unauthorized", "403 Forbidden"] {
+            let (port, _head) = shard(status).await;
+            let token = AdminToken::new("bad".into());
+            let err = send(port, &token).await.unwrap_err().to_string();
+            assert!(
+                err.contains("push-0") && err.contains(&status[..3]),
+                "{err}"
+            );
+            assert!(token.rejected(), "{status}");
+        }
     }
 }

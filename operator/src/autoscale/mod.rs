@@ -56,7 +56,7 @@ pub struct Inputs<'a> {
     pub cached_pods: Option<Vec<Pod>>,
     /// The fleet's admin token, for shed orders; `None` when the loop does
     /// not run ([`decide::runs`]), which sends none then.
-    pub token: Option<&'a str>,
+    pub token: Option<&'a act::AdminToken>,
     /// HTTP client for shard admin calls.
     pub http: &'a reqwest::Client,
     /// Seconds on the loop's monotonic clock.

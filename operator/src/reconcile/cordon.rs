@@ -37,7 +37,7 @@ use c10m_wire::admin::{
 };
 
 use super::Error;
-use crate::autoscale::act;
+use crate::autoscale::act::{self, AdminToken};
 use crate::names::{CORDONED_ANNOTATION, POD_DELETION_COST};
 use crate::rollout::{Orders, Shard};
 
@@ -51,7 +51,7 @@ pub async fn carry_out(
     http: &reqwest::Client,
     ns: &str,
     port: i32,
-    token: &str,
+    token: &AdminToken,
     orders: &Orders,
 ) -> Result<Orders, Error> {
     let mut done = Orders::default();
@@ -110,7 +110,7 @@ async fn order(
     pods: &Api<Pod>,
     http: &reqwest::Client,
     port: i32,
-    token: &str,
+    token: &AdminToken,
     shard: &Shard,
     on: bool,
 ) -> Result<Carried, Error> {
@@ -156,7 +156,7 @@ async fn order(
 pub async fn limit(
     http: &reqwest::Client,
     port: i32,
-    token: &str,
+    token: &AdminToken,
     limits: &crate::rollout::Limits,
 ) -> usize {
     let target = format!(
@@ -302,7 +302,8 @@ mod tests {
             shards: (0..8).map(|i| shard(&format!("new-{i}"), true)).collect(),
         };
         let start = tokio::time::Instant::now();
-        let took = limit(&reqwest::Client::new(), port.into(), "t", &limits).await;
+        let t = AdminToken::new("t".into());
+        let took = limit(&reqwest::Client::new(), port.into(), &t, &limits).await;
         assert_eq!(took, 0);
         let waited = start.elapsed();
         assert!(
@@ -334,7 +335,7 @@ mod tests {
             &reqwest::Client::new(),
             "ns",
             port.into(),
-            "t",
+            &AdminToken::new("t".into()),
             &orders,
         )
         .await

@@ -209,5 +209,6 @@ async fn write_status(
             source,
         })?;
     ctx.seen(&written.0);
+    ctx.tokens.written(fleet, &written.0);
     Ok(())
 }
