@@ -785,9 +785,18 @@ impl Run<'_> {
                 "quiet".into(),
                 json!(round2(cpu_seconds(self.operator_pid()) - cpu0)),
             );
+        // Steady RSS split as the kernel counts it: anonymous (heap,
+        // stacks, the allocator's retained pages) and file-backed (the
+        // binary's touched text and data).
+        let status = format!("/proc/{}/status", self.operator_pid());
         r.set(
             "operatorRssBytes",
-            json!({"steady": rss, "peak": Value::Null}),
+            json!({
+                "steady": rss,
+                "steadyAnon": proc_kib(&status, "RssAnon:"),
+                "steadyFile": proc_kib(&status, "RssFile:"),
+                "peak": Value::Null,
+            }),
         );
         Ok(())
     }
