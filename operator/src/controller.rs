@@ -583,7 +583,7 @@ pub async fn counting_client(metrics: Arc<crate::telemetry::Metrics>) -> anyhow:
 
     let config = kube::Config::infer().await?;
     let count = tower::util::MapRequestLayer::new(move |req: http::Request<kube::client::Body>| {
-        metrics.count_request(req.method());
+        metrics.count_request(req.method(), req.uri().path());
         req
     });
     let mut tcp = HttpConnector::new();

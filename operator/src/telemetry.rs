@@ -23,13 +23,58 @@ pub struct ResultLabel {
     pub result: String,
 }
 
-/// Label of a request to the Kubernetes API: its HTTP method (`GET`, also
+/// Labels of a request to the Kubernetes API: its HTTP method (`GET`, also
 /// for lists and watches; `POST`, `PUT`, `PATCH` (server-side applies
-/// too), `DELETE`), as client-go's `rest_client_requests_total` labels it.
+/// too), `DELETE`), as client-go's `rest_client_requests_total` labels it,
+/// and the resource it names ([`api_resource`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct MethodLabel {
+pub struct RequestLabels {
     /// The HTTP method.
     pub method: String,
+    /// `resource[.group][/subresource]`, as [`api_resource`] names it.
+    pub resource: String,
+}
+
+/// The resource a Kubernetes API request `path` names, as
+/// `resource[.group][/subresource]` (the API server's
+/// `apiserver_request_total` labels `resource`, `group` and `subresource`,
+/// joined): `secrets`, `replicasets.apps`,
+/// `connectionfleets.c10m.dev/status`, `namespaces`. A path that names no
+/// resource (discovery, `/version`, `/healthz`) is `other`; a prefix
+/// before `/api` or `/apis` (a proxy's, in the kubeconfig's server URL) is
+/// skipped. The operator
+/// touches about fifteen, so the label's values stay few.
+pub fn api_resource(path: &str) -> String {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    // A kubeconfig's server URL may carry a path prefix (a proxy's).
+    let from = (parts.iter())
+        .position(|p| matches!(*p, "api" | "apis"))
+        .unwrap_or(parts.len());
+    let (group, rest) = match &parts[from..] {
+        ["api", _version, rest @ ..] => ("", rest),
+        ["apis", group, _version, rest @ ..] => (*group, rest),
+        _ => return "other".into(),
+    };
+    let (resource, subresource) = match rest {
+        [] => return "other".into(),
+        // A namespace itself, or its status/finalize subresource.
+        ["namespaces"] | ["namespaces", _] => ("namespaces", None),
+        ["namespaces", _, sub @ ("status" | "finalize")] => ("namespaces", Some(*sub)),
+        // A namespaced resource: its collection, an object, a subresource.
+        ["namespaces", _, resource, more @ ..] => (*resource, more.get(1).copied()),
+        // A cluster-scoped resource.
+        [resource, more @ ..] => (*resource, more.get(1).copied()),
+    };
+    let mut label = resource.to_string();
+    if !group.is_empty() {
+        label.push('.');
+        label.push_str(group);
+    }
+    if let Some(sub) = subresource {
+        label.push('/');
+        label.push_str(sub);
+    }
+    label
 }
 
 /// Operator metrics.
@@ -42,9 +87,9 @@ pub struct Metrics {
     /// `c10m_operator_leader`: 1 while this replica acts (holds the leader
     /// Lease, or runs without leader election), else 0.
     pub leader: Gauge,
-    /// `c10m_operator_api_requests_total{method}`: requests this process
-    /// sent to the Kubernetes API ([`Metrics::count_request`]).
-    pub api_requests: Family<MethodLabel, Counter>,
+    /// `c10m_operator_api_requests_total{method,resource}`: requests this
+    /// process sent to the Kubernetes API ([`Metrics::count_request`]).
+    pub api_requests: Family<RequestLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -70,10 +115,10 @@ impl Default for Metrics {
             "1 while this replica is the leader that reconciles (always 1 without --leader-elect)",
             leader.clone(),
         );
-        let api_requests = Family::<MethodLabel, Counter>::default();
+        let api_requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "api_requests",
-            "Requests sent to the Kubernetes API by HTTP method (a write is anything but GET)",
+            "Requests sent to the Kubernetes API by HTTP method (a write is anything but GET) and resource",
             api_requests.clone(),
         );
         Metrics {
@@ -96,11 +141,13 @@ impl Metrics {
         self.reconcile_duration.observe(took.as_secs_f64());
     }
 
-    /// Counts one request to the Kubernetes API sent with `method`.
-    pub fn count_request(&self, method: &http::Method) {
+    /// Counts one request to the Kubernetes API sent with `method` to
+    /// `path` (its resource: [`api_resource`]).
+    pub fn count_request(&self, method: &http::Method, path: &str) {
         self.api_requests
-            .get_or_create(&MethodLabel {
+            .get_or_create(&RequestLabels {
                 method: method.as_str().to_string(),
+                resource: api_resource(path),
             })
             .inc();
     }
@@ -175,5 +222,68 @@ mod tests {
         assert!(text.contains("c10m_operator_leader 0"), "{text}");
         m.set_leader(true);
         assert!(m.encode().contains("c10m_operator_leader 1"));
+    }
+
+    #[test]
+    fn requests_are_counted_by_method_and_the_resource_their_path_names() {
+        let cases = [
+            ("/api/v1/namespaces/prod/secrets/edge-admin", "secrets"),
+            ("/api/v1/namespaces/prod/pods", "pods"),
+            ("/api/v1/namespaces/prod/pods/edge-1/status", "pods/status"),
+            ("/api/v1/nodes", "nodes"),
+            ("/api/v1/namespaces", "namespaces"),
+            ("/api/v1/namespaces/prod", "namespaces"),
+            ("/api/v1/namespaces/prod/finalize", "namespaces/finalize"),
+            (
+                "/apis/apps/v1/namespaces/prod/replicasets",
+                "replicasets.apps",
+            ),
+            (
+                "/apis/apps/v1/namespaces/prod/deployments/edge",
+                "deployments.apps",
+            ),
+            (
+                "/apis/c10m.dev/v1alpha1/namespaces/prod/connectionfleets/edge/status",
+                "connectionfleets.c10m.dev/status",
+            ),
+            (
+                "/apis/c10m.dev/v1alpha1/connectionfleets",
+                "connectionfleets.c10m.dev",
+            ),
+            (
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/connectionfleets.c10m.dev",
+                "customresourcedefinitions.apiextensions.k8s.io",
+            ),
+            (
+                "/apis/coordination.k8s.io/v1/namespaces/c10m/leases/c10m-operator",
+                "leases.coordination.k8s.io",
+            ),
+            ("/k8s/clusters/c-1/api/v1/namespaces/prod/pods", "pods"),
+            ("/apis/apps/v1", "other"),
+            ("/version", "other"),
+            ("/", "other"),
+        ];
+        for (path, resource) in cases {
+            assert_eq!(api_resource(path), resource, "{path}");
+        }
+        let m = Metrics::default();
+        let get = http::Method::GET;
+        m.count_request(&get, "/api/v1/namespaces/prod/secrets/edge-admin");
+        m.count_request(&get, "/api/v1/namespaces/prod/secrets/web-admin");
+        m.count_request(
+            &http::Method::PATCH,
+            "/apis/apps/v1/namespaces/prod/deployments/edge",
+        );
+        let text = m.encode();
+        assert!(
+            text.contains(r#"c10m_operator_api_requests_total{method="GET",resource="secrets"} 2"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"c10m_operator_api_requests_total{method="PATCH",resource="deployments.apps"} 1"#
+            ),
+            "{text}"
+        );
     }
 }

@@ -550,20 +550,52 @@ fn operator_writes(port: u16) -> Option<f64> {
     })
 }
 
-/// The sum of the operator's samples whose line starts with `prefix` and
-/// passes `keep`; `None` while it does not answer.
-fn operator_counter(port: u16, prefix: &str, keep: impl Fn(&str) -> bool) -> Option<f64> {
+/// The requests the operator counts itself as sent, by method and
+/// resource (`"GET secrets"`: `c10m_operator_api_requests_total`'s
+/// labels); `None` while it does not answer.
+fn operator_requests_by_resource(port: u16) -> Option<BTreeMap<String, f64>> {
+    let text = operator_metrics(port)?;
+    let label = |line: &str, name: &str| {
+        let from = line.find(&format!("{name}=\""))? + name.len() + 2;
+        let len = line[from..].find('"')?;
+        Some(line[from..from + len].to_string())
+    };
+    let mut by = BTreeMap::new();
+    for line in text.lines() {
+        if !line.starts_with("c10m_operator_api_requests_total{") {
+            continue;
+        }
+        let (Some(method), Some(resource)) = (label(line, "method"), label(line, "resource"))
+        else {
+            continue;
+        };
+        let Some(n) = line.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok()) else {
+            continue;
+        };
+        *by.entry(format!("{method} {resource}")).or_insert(0.0) += n;
+    }
+    Some(by)
+}
+
+/// The operator's `/metrics` text; `None` while it does not answer.
+fn operator_metrics(port: u16) -> Option<String> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(2)))
         .build()
         .into();
-    let text = agent
+    agent
         .get(&format!("http://127.0.0.1:{port}/metrics"))
         .call()
         .ok()?
         .body_mut()
         .read_to_string()
-        .ok()?;
+        .ok()
+}
+
+/// The sum of the operator's samples whose line starts with `prefix` and
+/// passes `keep`; `None` while it does not answer.
+fn operator_counter(port: u16, prefix: &str, keep: impl Fn(&str) -> bool) -> Option<f64> {
+    let text = operator_metrics(port)?;
     Some(
         text.lines()
             .filter(|l| l.starts_with(prefix) && keep(l))
@@ -730,7 +762,11 @@ impl Run<'_> {
             r.set("reconciles", json!({"ramp": reconciliations(port)}));
             r.set(
                 "operatorRequests",
-                json!({"ramp": {"reads": operator_reads(port), "writes": operator_writes(port)}}),
+                json!({"ramp": {
+                    "reads": operator_reads(port),
+                    "writes": operator_writes(port),
+                    "byResource": operator_requests_by_resource(port),
+                }}),
             );
         };
         spent(r);
@@ -1009,6 +1045,7 @@ impl Run<'_> {
             operator_writes(port),
             cpu_seconds(pid),
         );
+        let by_resource0 = operator_requests_by_resource(port);
         let window = Duration::from_secs(3 * period);
         hold(&self.guard, window).await?;
         let (asked, reconciles) = (
@@ -1021,6 +1058,16 @@ impl Run<'_> {
             delta(reads0, operator_reads(port)),
             delta(writes0, operator_writes(port)),
         );
+        // What the window's requests went to, by method and resource.
+        let by_resource =
+            by_resource0
+                .zip(operator_requests_by_resource(port))
+                .map(|(before, after)| {
+                    (after.into_iter())
+                        .map(|(k, n)| (k.clone(), n - before.get(&k).copied().unwrap_or(0.0)))
+                        .filter(|(_, n)| *n > 0.0)
+                        .collect::<BTreeMap<_, _>>()
+                });
         let syncs_due = a.fleets as f64 * window.as_secs_f64() / period as f64;
         let per_sync = reconciles.filter(|n| *n > 0.0).map(|n| round2(asked / n));
         // The operator's API requests a reconcile of the window (each an
@@ -1041,7 +1088,7 @@ impl Run<'_> {
                 "reconciles": reconciles,
                 "queriesPerFleetPerSyncPeriod": round2(asked / syncs_due),
                 "operatorCpuSeconds": cpu,
-                "operatorRequests": {"reads": reads, "writes": writes},
+                "operatorRequests": {"reads": reads, "writes": writes, "byResource": by_resource},
                 "operatorRequestsPerSync": {
                     "reads": per_reconcile(reads),
                     "writes": per_reconcile(writes),
