@@ -498,7 +498,10 @@ async fn pipeline(
         }
     };
     let mut secret = pin!(futures::future::maybe_done(secret));
-    let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid);
+    let applying = ctx
+        .services
+        .under_way(&ObjectRef::from_obj(fleet), &owner.uid);
+    let owned = observe::owned(&ctx.client, cache, &ns, &name, &owner.uid, applying);
     let owned = match apply_first || kept.is_some() {
         true => owned.await,
         false => futures::join!(owned, secret.as_mut()).0,

@@ -145,14 +145,18 @@ pub struct Owned {
 
 /// Reads [`Owned`] for fleet `name` (uid `uid`) in `ns`. An object the
 /// `cache` holds is read from it (it carries the operator's labels, but the
-/// owner is still checked); the others through the API, concurrently.
-/// Errors: the first failed GET, as [`Error::Observe`].
+/// owner is still checked); the others through the API, concurrently,
+/// except the Service while this process's apply of it is under way
+/// (`service_applying`, [`super::apply::ServiceApplies::under_way`]): the
+/// fleet's own in the making. Errors: the first failed GET, as
+/// [`Error::Observe`].
 pub async fn owned(
     client: &Client,
     cache: Option<&Cache>,
     ns: &str,
     name: &str,
     uid: &str,
+    service_applying: bool,
 ) -> Result<Owned, Error> {
     type Cached<K> = kube::runtime::reflector::Store<cache::Stored<K>>;
     /// Object `name` of kind `K` through the API (`None`: not found).
@@ -196,7 +200,12 @@ pub async fn owned(
     };
     let (deployment, service, pdb) = futures::try_join!(
         deployment,
-        meta::<Service>(client, cache.map(|c| &c.services), ns, name),
+        async {
+            match service_applying {
+                true => Ok(cache.and_then(|c| cache::metadata(&c.services, ns, name))),
+                false => meta::<Service>(client, cache.map(|c| &c.services), ns, name).await,
+            }
+        },
         meta::<PodDisruptionBudget>(client, cache.map(|c| &c.pdbs), ns, name),
     )?;
     let conflict = [
