@@ -3,8 +3,9 @@
 //! through the API (Secrets are not watched: [`super::apply::read_admin_secret`]),
 //! and a reconcile needs it for every order to the shards. Read on every
 //! reconcile, it was the one API read of a settled fleet's metrics-loop
-//! sync (1.0 a sync, issue 23) and about a quarter of the reads of a new
-//! fleet's reconciles. It is now read again only when:
+//! sync (1.0 a sync, issue 23) and 3,633 of the 16,924 reads of a ramp of
+//! 1,000 fleets (`docs/scale.md`, 2026-12-07). It is now read again only
+//! when:
 //! - this process holds no token for the fleet (a new fleet, a start, a
 //!   failover, a fleet deleted and made again under its name: its uid);
 //! - the fleet was changed by anyone but this process since (its
