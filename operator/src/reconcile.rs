@@ -250,7 +250,7 @@ pub struct Context {
     /// fleet at ([`observe::fleet`]).
     versions: Mutex<HashMap<ObjectRef<ConnectionFleet>, observe::Known>>,
     /// The fleets' admin tokens, kept between reconciles ([`token`]).
-    pub tokens: token::Tokens,
+    tokens: token::Tokens,
     /// The calibrations this process runs (`spec.backend.calibrate`).
     calibrations: calibrate::Runs,
     /// The fleets' Service applies ([`apply::ServiceApplies`]).
