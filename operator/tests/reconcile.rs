@@ -75,17 +75,17 @@ fn fleet(spec: Value) -> ConnectionFleet {
     .expect("a valid ConnectionFleet")
 }
 
+/// `fleet` as the API server stores it after someone changed it: a new
+/// `resourceVersion`, `by` past its own.
+fn touch(fleet: &mut ConnectionFleet, by: u64) {
+    let rv: u64 = fleet.resource_version().unwrap().parse().unwrap();
+    fleet.metadata.resource_version = Some((rv + by).to_string());
+}
+
 /// `fleet` as the API server stores it after a change of its spec: a new
 /// `resourceVersion` and generation.
 fn bump(fleet: &mut ConnectionFleet) {
-    let rv: u64 = fleet
-        .metadata
-        .resource_version
-        .as_deref()
-        .unwrap()
-        .parse()
-        .unwrap();
-    fleet.metadata.resource_version = Some((rv + 1000).to_string());
+    touch(fleet, 1000);
     fleet.metadata.generation = Some(fleet.metadata.generation.unwrap_or(1) + 1);
 }
 
@@ -1351,8 +1351,7 @@ async fn a_kept_admin_token_is_read_again_only_after_someone_changes_the_fleet()
     touched
         .annotations_mut()
         .insert("e2e.c10m.dev/poke".into(), "1".into());
-    let rv: u64 = touched.resource_version().unwrap().parse().unwrap();
-    touched.metadata.resource_version = Some((rv + 1).to_string());
+    touch(&mut touched, 1);
     h.cluster
         .lock()
         .unwrap()

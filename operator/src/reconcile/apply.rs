@@ -217,9 +217,7 @@ impl ServiceApplies {
     pub fn under_way(&self, fleet: &ObjectRef<ConnectionFleet>, uid: &str) -> bool {
         let running = self.running.lock().unwrap();
         running.get(fleet).is_some_and(|run| {
-            !run.task.is_finished()
-                && (run.want.metadata.owner_references.iter().flatten())
-                    .any(|o| o.controller == Some(true) && o.uid == uid)
+            !run.task.is_finished() && super::observe::controlled_by(&run.want.metadata, uid)
         })
     }
 

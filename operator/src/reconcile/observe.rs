@@ -250,6 +250,12 @@ pub fn secret_conflict(secret: &Secret, fleet: &str, uid: &str) -> Option<String
     not_ours::<Secret>(Some(&secret.metadata), &secret_name(fleet), uid)
 }
 
+/// Whether an object's metadata `meta` names the fleet of `uid` as its
+/// controller (an owner reference with `controller: true`).
+pub fn controlled_by(meta: &ObjectMeta, uid: &str) -> bool {
+    (meta.owner_references.iter().flatten()).any(|r| r.controller == Some(true) && r.uid == uid)
+}
+
 /// The message naming object `name` of kind `K` when it exists (`meta`)
 /// and no controller owner reference names the fleet's `uid`.
 fn not_ours<K: Resource<DynamicType = ()>>(
@@ -258,13 +264,7 @@ fn not_ours<K: Resource<DynamicType = ()>>(
     uid: &str,
 ) -> Option<String> {
     let kind = K::kind(&());
-    let ours = |m: &ObjectMeta| {
-        m.owner_references
-            .iter()
-            .flatten()
-            .any(|r| r.controller == Some(true) && r.uid == uid)
-    };
-    meta.filter(|m| !ours(m)).map(|_| {
+    meta.filter(|m| !controlled_by(m, uid)).map(|_| {
         format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
     })
 }
