@@ -98,17 +98,7 @@ fn sigterm_with_40_websockets_at_rate_10_refuses_no_connect_in_the_window() {
     server.wait_metrics("40 live", |m| sum(m, "c10m_connections") == 40.0);
     server.signal(rustix::process::Signal::TERM);
     // Readiness drops at once.
-    let deadline = Instant::now() + Duration::from_millis(500);
-    loop {
-        match server.http("GET", "/healthz", None) {
-            Ok((503, _, body)) => {
-                assert_eq!(body, "draining\n");
-                break;
-            }
-            other => assert!(Instant::now() < deadline, "still {other:?}"),
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    server.wait_draining();
     let got = attempts_every_100ms(&server, true, Duration::from_secs(2));
     assert_eq!(got.len(), 20);
     let refused = got.iter().filter(|(_, a)| *a == Attempt::Refused).count();
@@ -154,13 +144,28 @@ fn after_the_window_the_listeners_are_gone_while_the_drain_goes_on() {
     });
     let mut held: Vec<TcpStream> = (0..60).map(|_| ws_connect(&server)).collect();
     server.wait_metrics("60 live", |m| sum(m, "c10m_connections") == 60.0);
-    let signalled = Instant::now();
     server.signal(rustix::process::Signal::TERM);
-    let got = attempts_every_100ms(&server, true, Duration::from_millis(1800));
+    server.wait_draining();
+    // The drain (and its window) began at or before this mark.
+    let draining = Instant::now();
+    let got = attempts_every_100ms(&server, true, Duration::from_millis(1500));
     for (t, a) in &got {
         assert_eq!(*a, Attempt::WsGoodbye, "connect at +{t:?}");
     }
-    std::thread::sleep(Duration::from_millis(2500).saturating_sub(signalled.elapsed()));
+    // The window ends ~2 s after the drain began: refused from then on.
+    let deadline = draining + Duration::from_secs(4);
+    loop {
+        let a = attempt(&server, true);
+        if a == Attempt::Refused {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {a:?} {:?} into the drain (window 2 s)",
+            draining.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Window over: refused, while the server still drains (alive, 503).
     for _ in 0..5 {
         assert_eq!(attempt(&server, true), Attempt::Refused);
@@ -187,6 +192,7 @@ fn post_drain_on_echo_answers_newcomers_with_a_fin() {
     let mut held = server.connect();
     echo_once(&mut held, b"hi");
     assert_eq!(server.post("/drain?rate=0", Some(TOKEN)).0, 202);
+    server.wait_draining();
     let got = attempts_every_100ms(&server, false, Duration::from_millis(1500));
     for (t, a) in &got {
         assert_eq!(*a, Attempt::Fin, "connect at +{t:?}");
@@ -210,8 +216,16 @@ fn a_zero_window_closes_the_listeners_at_once() {
         echo_once(c, b"x");
     }
     server.signal(rustix::process::Signal::TERM);
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(attempt(&server, false), Attempt::Refused);
+    server.wait_draining();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let a = attempt(&server, false);
+        if a == Attempt::Refused {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still {a:?} 2 s into the drain");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(server.child.try_wait().unwrap().is_none(), "still draining");
     let endings = watch_endings(&mut held, 10, Duration::from_secs(10));
     assert_eq!(endings.iter().flatten().count(), 10);

@@ -35,6 +35,8 @@ fn unfinished_frames_close_at_the_frame_timeout_with_1008() {
     let mut good = ws_connect(&server);
     // Half a frame, then silence.
     let mut half = ws_connect(&server);
+    // Before the write: the frame's deadline counts from after it.
+    let t0 = Instant::now();
     half.write_all(&frame_start(1000, 500)).unwrap();
     // A trickle: a byte every 200 ms never finishes in time, and reads do
     // not extend the frame's deadline.
@@ -49,7 +51,6 @@ fn unfinished_frames_close_at_the_frame_timeout_with_1008() {
             std::thread::sleep(Duration::from_millis(200));
         }
     });
-    let t0 = Instant::now();
     // Frames that complete reset nothing for others and keep working.
     for _ in 0..3 {
         ws_echo(&mut good, b"alive");

@@ -35,8 +35,12 @@ fn echo_across_2000_connections_on_two_workers() {
     }
     let bytes: usize = msgs.iter().map(Vec::len).sum();
 
-    // Every connection has echoed, so every one is accepted and held.
-    let m = server.metrics();
+    // Every connection has echoed, so every one is accepted and held; a
+    // worker adds to the byte counters after its write, so wait for them.
+    let m = server.wait_metrics("the byte counters", |m| {
+        sum(m, "c10m_received_bytes_total") == bytes as f64
+            && sum(m, "c10m_sent_bytes_total") == bytes as f64
+    });
     assert_eq!(sum(&m, "c10m_connections"), N as f64, "{m}");
     assert_eq!(sum(&m, "c10m_connections_accepted_total"), N as f64);
     assert_eq!(sum(&m, "c10m_received_bytes_total"), bytes as f64);
@@ -244,7 +248,11 @@ fn large_payload_round_trips_under_backpressure() {
     c.read_exact(&mut back).unwrap();
     writer.join().unwrap();
     assert!(back == data, "echoed bytes differ");
-    let m = server.metrics();
+    // The worker adds to the byte counters after its last write.
+    let m = server.wait_metrics("the byte counters", |m| {
+        sum(m, "c10m_received_bytes_total") == LEN as f64
+            && sum(m, "c10m_sent_bytes_total") == LEN as f64
+    });
     assert_eq!(sum(&m, "c10m_received_bytes_total"), LEN as f64);
     assert_eq!(sum(&m, "c10m_sent_bytes_total"), LEN as f64);
     echo_once(&mut c, b"and then small");

@@ -359,9 +359,10 @@ fn server_pings_close_stuck_clients_and_spare_answering_ones() {
             "1",
         ],
     );
+    // Before the stuck client's upgrade: its silence counts from after it.
+    let t0 = std::time::Instant::now();
     let mut stuck = ws_connect(&server);
     let mut answering = ws_connect(&server);
-    let t0 = std::time::Instant::now();
     let stop = t0 + Duration::from_secs(5);
     let responder = std::thread::spawn(move || {
         answering
@@ -714,6 +715,7 @@ fn the_drain_window_negotiates_subprotocols_too() {
         ..Opts::default()
     });
     assert_eq!(server.post("/drain?rate=0", Some("t0ken")).0, 202);
+    server.wait_draining();
     let mut s = server.connect();
     let head = response_head(
         &mut s,

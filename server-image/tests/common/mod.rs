@@ -220,6 +220,25 @@ impl Server {
         false
     }
 
+    /// Waits (up to [`IO_TIMEOUT`]) until `/healthz` answers 503
+    /// `draining`: the drain has begun, so no worker accepts any more and a new connection
+    /// meets the accept window. `POST /drain`'s 202 only says the order was
+    /// taken; the main thread starts the drain a moment later, and a connect
+    /// in between is a worker's, closed by the drain mid-handshake.
+    pub fn wait_draining(&self) {
+        let deadline = Instant::now() + IO_TIMEOUT;
+        loop {
+            match self.http("GET", "/healthz", None) {
+                Ok((503, _, body)) => {
+                    assert_eq!(body, "draining\n");
+                    return;
+                }
+                other => assert!(Instant::now() < deadline, "still {other:?}"),
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn connect(&self) -> TcpStream {
         let s = TcpStream::connect_timeout(&self.addr, IO_TIMEOUT).expect("connect");
         s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
@@ -510,6 +529,15 @@ pub fn watch_endings(
         c.set_nonblocking(false).unwrap();
     }
     out
+}
+
+/// Seconds from `t` to the last of the endings seen. With `t` taken just
+/// before an order (POST or signal), a lower bound on this is sound however
+/// the closes bunch up: the order's allowance counts from its start, at or
+/// after `t`.
+pub fn last_ending_since(t: Instant, endings: &[Option<Ending>]) -> f64 {
+    let last = endings.iter().flatten().map(|e| e.at).max().unwrap();
+    (last - t).as_secs_f64()
 }
 
 /// A network namespace held by a child process (`unshare --net sleep
