@@ -7,15 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
 use kube::Resource;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -29,7 +27,7 @@ use crate::autoscale;
 use crate::names::{FIELD_MANAGER, FLEET_LABEL, MANAGED_BY_SELECTOR, SCHEMA_REVISION_ANNOTATION};
 use crate::policy::Policy;
 use crate::reason::{EventAction, Reason};
-use crate::reconcile::cache::{Cache, KeptPod, Shards, Stored, stored_event};
+use crate::reconcile::cache::{Cache, KeptPod, KeptReplicaSet, Shards, Stored, stored_event};
 use crate::reconcile::{Context, error_policy, reconcile};
 use crate::unmanaged::{self, Unmanaged};
 
@@ -58,25 +56,9 @@ fn lean_node(n: &mut Node) {
     }
 }
 
-/// Of a ReplicaSet's metadata, only what the ownership check reads: its
-/// name, namespace, uid and resourceVersion (the store's keys) and owner
-/// references.
-pub fn lean_owned(rs: &mut PartialObjectMeta<ReplicaSet>) {
-    let m = std::mem::take(&mut rs.metadata);
-    rs.metadata = ObjectMeta {
-        name: m.name,
-        namespace: m.namespace,
-        uid: m.uid,
-        resource_version: m.resource_version,
-        owner_references: m.owner_references,
-        ..ObjectMeta::default()
-    };
-}
-
-/// Feeds the metrics loop's stores ([`Shards`]) until dropped: the pods
-/// and ReplicaSets carrying the fleet label in `namespace` (every
-/// namespace when `None`), pods read as [`KeptPod`]s, ReplicaSets watched
-/// as metadata only and made [`lean_owned`]. Neither
+/// Feeds the shard stores ([`Shards`]) until dropped: the pods and
+/// ReplicaSets carrying the fleet label in `namespace` (every namespace
+/// when `None`), read as [`KeptPod`]s and [`KeptReplicaSet`]s. Neither
 /// triggers a reconcile: a fleet's Deployment brings it back when its pods
 /// come and go. A watch that fails is retried with kube-runtime's default
 /// backoff (a warning each time).
@@ -84,16 +66,15 @@ async fn watch_shards(
     client: Client,
     namespace: Option<String>,
     pod_writer: reflector::store::Writer<KeptPod>,
-    set_writer: reflector::store::Writer<PartialObjectMeta<ReplicaSet>>,
+    set_writer: reflector::store::Writer<KeptReplicaSet>,
 ) {
-    let (pods, sets): (Api<KeptPod>, Api<Unmanaged<PartialObjectMeta<ReplicaSet>>>) =
-        match &namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client, ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client)),
-        };
+    let (pods, sets): (Api<KeptPod>, Api<KeptReplicaSet>) = match &namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client, ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client)),
+    };
     let wc = watch_config().labels(FLEET_LABEL);
     fn warn_on<K>(
         what: &'static str,
@@ -105,12 +86,11 @@ async fn watch_shards(
             std::future::ready(())
         }
     }
+    // Nothing to make lean: both are read without what `lean` drops.
     let pods = watcher(pods, wc.clone()).default_backoff();
-    // Nothing to make lean: a KeptPod is read without what `lean` drops.
     let pods = keep(pods, lean, pod_writer).for_each(warn_on("shard pods"));
-    // An `Api` of `PartialObjectMeta` watches metadata only.
-    let sets = watched(sets, wc).default_backoff();
-    let sets = keep(sets, lean_owned, set_writer).for_each(warn_on("ReplicaSets"));
+    let sets = watcher(sets, wc).default_backoff();
+    let sets = keep(sets, lean, set_writer).for_each(warn_on("ReplicaSets"));
     futures::join!(pods, sets);
 }
 

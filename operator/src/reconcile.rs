@@ -545,8 +545,17 @@ async fn pipeline(
             (looped, deployment, held, token)
         }
     };
-    let workload =
-        observe::workload(&ctx.client, &ns, &name, &deployment, previous.is_some()).await; // client required
+    let recorded = previous.is_some();
+    let workload = observe::workload(
+        &ctx.client,
+        cache,
+        &ns,
+        &name,
+        &owner.uid,
+        &deployment,
+        recorded,
+    )
+    .await; // client required
     let workload = match workload {
         Ok(workload) => workload,
         Err(error) => return Err(self::failed(&plan, Some(looped), error)),

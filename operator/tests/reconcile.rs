@@ -18,7 +18,7 @@ use c10m_operator::api::ConnectionFleet;
 use c10m_operator::policy::Policy;
 use c10m_operator::reason::Reason;
 use c10m_operator::reconcile::apply::SERVICE_WAIT;
-use c10m_operator::reconcile::cache::{Cache, Shards, Stored};
+use c10m_operator::reconcile::cache::{Cache, KeptPod, KeptReplicaSet, Shards, Stored};
 use c10m_operator::reconcile::report::ROLLOUT_RECHECK;
 use c10m_operator::reconcile::{Context, Error, MAX_BACKOFF, RESYNC, error_policy, reconcile};
 use c10m_operator::telemetry::Metrics;
@@ -29,8 +29,8 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::reflector::store::Writer;
-use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -245,6 +245,8 @@ struct Writers {
     deployments: Writer<Stored<Deployment>>,
     services: Writer<Stored<Service>>,
     pdbs: Writer<Stored<PodDisruptionBudget>>,
+    pods: Writer<KeptPod>,
+    replica_sets: Writer<KeptReplicaSet>,
 }
 
 impl Harness {
@@ -275,19 +277,19 @@ impl Harness {
             deployments: Writer::default(),
             services: Writer::default(),
             pdbs: Writer::default(),
+            pods: Writer::default(),
+            replica_sets: Writer::default(),
         };
-        // The metrics loop's stores: listed, empty (these fleets have no
-        // loop, so nothing reads them).
-        let (pods, mut pod_writer) = reflector::store();
-        let (replica_sets, mut set_writer) = reflector::store();
-        pod_writer.apply_watcher_event(&watcher::Event::InitDone);
-        set_writer.apply_watcher_event(&watcher::Event::InitDone);
+        let shards = Shards {
+            pods: writers.pods.as_reader(),
+            replica_sets: writers.replica_sets.as_reader(),
+        };
         let cache = Cache::new(
             writers.nodes.as_reader(),
             writers.deployments.as_reader(),
             writers.services.as_reader(),
             writers.pdbs.as_reader(),
-            Shards { pods, replica_sets },
+            shards,
             CancellationToken::new(),
         );
         writers.nodes.apply_watcher_event(&watcher::Event::InitDone);
@@ -311,8 +313,9 @@ impl Harness {
         (cluster, client, api)
     }
 
-    /// Lists the cluster's Deployment, Service and PodDisruptionBudget into
-    /// the caches again, as a watch's relist would.
+    /// Lists the cluster's Deployment, Service, PodDisruptionBudget,
+    /// ReplicaSets and pods into the caches again, as a watch's relist
+    /// would.
     fn sync_caches(&self) {
         fn relist<K>(writer: &mut Writer<Stored<K>>, stored: Option<&Value>)
         where
@@ -326,6 +329,22 @@ impl Harness {
             }
             writer.apply_watcher_event(&watcher::Event::InitDone);
         }
+        /// The objects under `collection`, read as the watch reads them.
+        fn relist_kept<K>(
+            writer: &mut Writer<K>,
+            objects: &BTreeMap<String, Value>,
+            collection: &str,
+        ) where
+            K: kube::Resource<DynamicType = ()> + serde::de::DeserializeOwned + Clone,
+        {
+            writer.apply_watcher_event(&watcher::Event::Init);
+            let prefix = format!("{collection}/");
+            for (_, obj) in objects.iter().filter(|(path, _)| path.starts_with(&prefix)) {
+                let obj: K = serde_json::from_value(obj.clone()).expect("a watched object");
+                writer.apply_watcher_event(&watcher::Event::InitApply(obj));
+            }
+            writer.apply_watcher_event(&watcher::Event::InitDone);
+        }
         let mut writers = self
             .caches
             .as_ref()
@@ -336,6 +355,8 @@ impl Harness {
         relist::<Deployment>(&mut writers.deployments, objects.get(DEPLOYMENT));
         relist::<Service>(&mut writers.services, objects.get(SERVICE));
         relist::<PodDisruptionBudget>(&mut writers.pdbs, objects.get(PDB));
+        relist_kept(&mut writers.replica_sets, &objects, REPLICA_SETS);
+        relist_kept(&mut writers.pods, &objects, PODS);
     }
 
     /// Reconciles `fleet` (the possibly stale copy a watch delivered).
@@ -886,6 +907,7 @@ fn refused_replica_set() -> Value {
         "metadata": {
             "name": "edge-5d8f7c9b4",
             "namespace": NS,
+            "uid": "0e0e0e0e-0000-4000-8000-00000000000e",
             "labels": {"c10m.dev/fleet": NAME},
             "annotations": {"deployment.kubernetes.io/revision": "1"},
             "ownerReferences": [{
@@ -909,24 +931,42 @@ fn refused_replica_set() -> Value {
     })
 }
 
+/// Listed through the API, or read from the watches' stores (outside a
+/// rollout, with no list sent), the refusal reads the same.
 #[tokio::test]
 async fn a_workload_whose_pods_are_refused_is_degraded_and_warned_once() {
+    for cached_stores in [false, true] {
+        workload_refused(cached_stores).await;
+    }
+}
+
+async fn workload_refused(cached_stores: bool) {
     let cached = fleet(feasible());
     let rs_path = format!("{REPLICA_SETS}/edge-5d8f7c9b4");
     let mut cluster = Cluster::with_fleet(&cached);
     cluster
         .objects
         .insert(rs_path.clone(), refused_replica_set());
-    let h = Harness::start(cluster);
+    let h = match cached_stores {
+        false => Harness::start(cluster),
+        true => Harness::start_cached(cluster),
+    };
+    let listed = |calls: &[Call], path: &str| calls.iter().any(|c| c.is(Method::GET, path));
 
     let action = h.reconcile(&cached).await.expect("not an operator error");
     assert_eq!(action, Action::requeue(ROLLOUT_RECHECK));
     let calls = h.api.take();
-    assert!(
-        calls.iter().any(|c| c.is(Method::GET, REPLICA_SETS)
-            && c.query().contains("labelSelector=c10m.dev%2Ffleet%3Dedge")),
-        "ReplicaSets listed by the fleet label: {calls:#?}"
-    );
+    match cached_stores {
+        false => assert!(
+            calls.iter().any(|c| c.is(Method::GET, REPLICA_SETS)
+                && c.query().contains("labelSelector=c10m.dev%2Ffleet%3Dedge")),
+            "ReplicaSets listed by the fleet label: {calls:#?}"
+        ),
+        true => assert!(
+            !listed(&calls, REPLICA_SETS) && !listed(&calls, PODS),
+            "read from the stores: {calls:#?}"
+        ),
+    }
     let written = status_writes(&calls);
     assert_eq!(written.len(), 1, "{calls:#?}");
     let (status, reason, message) = condition(&written[0], "Degraded");
@@ -955,11 +995,17 @@ async fn a_workload_whose_pods_are_refused_is_degraded_and_warned_once() {
     assert_eq!(status_writes(&calls), Vec::<Value>::new(), "{calls:#?}");
     assert_eq!(events(&calls), Vec::<Value>::new(), "{calls:#?}");
 
-    // The ReplicaSet controller clears the condition once pods are created.
+    // The ReplicaSet controller clears the condition once pods are created,
+    // and the Deployment's status counts them ready.
     {
         let mut c = h.cluster.lock().unwrap();
         c.objects.get_mut(&rs_path).unwrap()["status"] = json!({"replicas": 3});
         c.ready = true;
+        let status = &mut c.objects.get_mut(DEPLOYMENT).unwrap()["status"];
+        status["readyReplicas"] = status["replicas"].clone();
+    }
+    if cached_stores {
+        h.sync_caches();
     }
     assert_eq!(h.reconcile(&cached).await.unwrap(), Action::requeue(RESYNC));
     let calls = h.api.take();
@@ -969,7 +1015,7 @@ async fn a_workload_whose_pods_are_refused_is_degraded_and_warned_once() {
     assert_eq!(condition(&written[0], "Ready").0, "True");
     assert_eq!(warnings(&calls), Vec::<Value>::new());
     assert!(
-        !calls.iter().any(|c| c.is(Method::GET, PODS)),
+        !listed(&calls, PODS),
         "pods are listed only while replicas are missing: {calls:#?}"
     );
 }

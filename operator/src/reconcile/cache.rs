@@ -25,14 +25,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::{BoxFuture, FutureExt, Shared};
-use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::apps::v1::{
+    Deployment, ReplicaSet, ReplicaSetCondition, ReplicaSetSpec, ReplicaSetStatus,
+};
 use k8s_openapi::api::core::v1::{
-    Node, Pod, PodCondition, PodSpec, PodStatus, Service, Toleration,
+    ContainerState, ContainerStateWaiting, ContainerStatus, Node, Pod, PodCondition, PodSpec,
+    PodStatus, Service, Toleration,
 };
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
-use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use serde::Serialize;
@@ -41,7 +43,9 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::autoscale::observe::{controller_uid, own_replica_sets};
-use crate::names::{CORDONED_ANNOTATION, POD_DELETION_COST};
+use crate::names::{
+    CORDONED_ANNOTATION, POD_DELETION_COST, POD_TEMPLATE_HASH, REVISION_ANNOTATION,
+};
 use crate::plan::{NodeFacts, nodes};
 use crate::unmanaged::resource_as;
 
@@ -76,50 +80,66 @@ pub struct Cache {
     listed: Shared<BoxFuture<'static, bool>>,
 }
 
-/// The pods carrying the fleet label and the ReplicaSets' metadata, for the
-/// metrics loop: each sync of an autoscaled fleet listed its pods, its
-/// Deployment's metadata and its ReplicaSets' (three requests a sync, 150 a
-/// second at 1,000 fleets on a 20 s sync) and now reads them here
-/// ([`Cache::fleet_pods`]). A pod is kept as a [`KeptPod`], a ReplicaSet
-/// with only its name, uid and owner references.
+/// The pods and ReplicaSets carrying the fleet label, for the metrics
+/// loop and a reconcile's workload. Each sync of an autoscaled fleet
+/// listed its pods, its Deployment's metadata and its ReplicaSets' (three
+/// requests a sync, 150 a second at 1,000 fleets on a 20 s sync) and now
+/// reads them here ([`Cache::fleet_pods`]); a reconcile of a fleet whose
+/// shards are not all ready listed its ReplicaSets and pods (5,300 of the
+/// ramp's 9,374 reads at 1,000 fleets, 2026-12-07) and, outside a rollout,
+/// reads them here too ([`Cache::workload`]). A pod is kept as a
+/// [`KeptPod`], a ReplicaSet as a [`KeptReplicaSet`].
 #[derive(Clone)]
 pub struct Shards {
     /// Pods labelled with the fleet label (anyone's: ownership is checked
     /// when read).
     pub pods: Store<KeptPod>,
-    /// Metadata of the ReplicaSets labelled with the fleet label.
-    pub replica_sets: Store<PartialObjectMeta<ReplicaSet>>,
+    /// ReplicaSets labelled with the fleet label.
+    pub replica_sets: Store<KeptReplicaSet>,
 }
 
-/// A shard pod as the metrics loop's store keeps it: what the loop reads
+/// A shard pod as the stores keep it: what the metrics loop reads
 /// (`autoscale::observe::ShardPod`, the drift check's node, the ownership
-/// check), taken from the watch's JSON as it is parsed. serde skips every
-/// other field without building it: the containers, `managedFields`, the
-/// labels, the other conditions and the container statuses, most of a
-/// pod's 4.5 kB of JSON. Kept, a shard pod takes 1.2 kB of heap, against
-/// 24.9 kB as a k8s-openapi `Pod` without managedFields
-/// (`tests/store_heap.rs`, 2026-12-06).
+/// check) and what a reconcile's workload reads
+/// ([`crate::status::workload_failure`], [`crate::rollout::observe`]),
+/// taken from the watch's JSON as it is parsed. serde skips every other
+/// field without building it: the containers, `managedFields`, the other
+/// labels and conditions and the running containers' statuses, most of a
+/// pod's 4.5 kB of JSON. Kept, a running shard pod takes 1.3 kB of heap,
+/// against 24.9 kB as a k8s-openapi `Pod` without managedFields
+/// (`tests/store_heap.rs`).
 ///
 /// The metadata kept: name, namespace, uid, resourceVersion (the store's
-/// keys), owner references, deletion time, and of the annotations only the
-/// scale-in mark and the rollout's cordon record ([`POD_DELETION_COST`],
-/// [`CORDONED_ANNOTATION`]).
+/// keys), owner references, deletion time, of the labels only the
+/// pod-template hash (the revision it runs), and of the annotations only
+/// the scale-in mark and the rollout's cordon record
+/// ([`POD_DELETION_COST`], [`CORDONED_ANNOTATION`]). Of the status: the
+/// phase, the pod IP, the `Ready` condition, the `PodScheduled` condition
+/// while it is False (an unschedulable shard), and the containers
+/// (init containers first) that are waiting, with their image and why (an
+/// image that cannot be pulled).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct KeptPod {
     metadata: ObjectMeta,
+    template_hash: Option<String>,
     node_name: Option<String>,
     phase: Option<String>,
     pod_ip: Option<String>,
     ready: Option<PodCondition>,
+    unscheduled: Option<PodCondition>,
+    waiting: Box<[ContainerStatus]>,
 }
 
 impl KeptPod {
-    /// The pod with what was kept of it (an `autoscale::observe` reader
-    /// takes a `Pod`): `spec.nodeName`, `status.phase`, `status.podIP` and
-    /// the `Ready` condition.
+    /// The pod with what was kept of it (the readers take a `Pod`):
+    /// `spec.nodeName`, `status.phase`, `status.podIP`, the conditions
+    /// kept, and the waiting containers as `status.containerStatuses`.
     pub fn pod(&self) -> Pod {
         Pod {
-            metadata: self.metadata.clone(),
+            metadata: ObjectMeta {
+                labels: template_hash_label(&self.template_hash),
+                ..self.metadata.clone()
+            },
             spec: Some(PodSpec {
                 node_name: self.node_name.clone(),
                 ..PodSpec::default()
@@ -127,32 +147,97 @@ impl KeptPod {
             status: Some(PodStatus {
                 phase: self.phase.clone(),
                 pod_ip: self.pod_ip.clone(),
-                conditions: self.ready.clone().map(|c| vec![c]),
+                conditions: Some(
+                    self.ready
+                        .iter()
+                        .chain(&self.unscheduled)
+                        .cloned()
+                        .collect(),
+                )
+                .filter(|c: &Vec<PodCondition>| !c.is_empty()),
+                container_statuses: (!self.waiting.is_empty()).then(|| self.waiting.to_vec()),
                 ..PodStatus::default()
             }),
         }
     }
 }
 
+/// The labels of a kept object: its pod-template hash, if it has one. Kept
+/// apart from the metadata as a plain string: a map of one entry takes a
+/// whole B-tree node (about 0.5 kB), as much again as the rest of a kept
+/// pod.
+fn template_hash_label(
+    hash: &Option<String>,
+) -> Option<std::collections::BTreeMap<String, String>> {
+    hash.clone()
+        .map(|h| std::collections::BTreeMap::from([(POD_TEMPLATE_HASH.to_string(), h)]))
+}
+
+/// Of `map`, the entries named in `keep`; `None` when none is there.
+fn only(
+    map: Option<std::collections::BTreeMap<String, String>>,
+    keep: &[&str],
+) -> Option<std::collections::BTreeMap<String, String>> {
+    let kept: std::collections::BTreeMap<String, String> = map
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| keep.contains(&k.as_str()))
+        .collect();
+    (!kept.is_empty()).then_some(kept)
+}
+
+/// The metadata a kept pod or ReplicaSet is read with: its keys, owner
+/// references, deletion time, labels and annotations; serde skips the rest
+/// (`managedFields` among it) unbuilt.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireMeta {
+    name: Option<String>,
+    namespace: Option<String>,
+    uid: Option<String>,
+    resource_version: Option<String>,
+    owner_references: Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>,
+    deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    labels: Option<std::collections::BTreeMap<String, String>>,
+    annotations: Option<std::collections::BTreeMap<String, String>>,
+}
+
+impl WireMeta {
+    /// The metadata kept (keys, owner references, deletion time and the
+    /// annotations named; no labels), and the pod-template hash label.
+    fn kept(self, annotations: &[&str]) -> (ObjectMeta, Option<String>) {
+        let hash = self.labels.and_then(|mut l| l.remove(POD_TEMPLATE_HASH));
+        let meta = ObjectMeta {
+            name: self.name,
+            namespace: self.namespace,
+            uid: self.uid,
+            resource_version: self.resource_version,
+            owner_references: self.owner_references,
+            deletion_timestamp: self.deletion_timestamp,
+            annotations: only(self.annotations, annotations),
+            ..ObjectMeta::default()
+        };
+        (meta, hash)
+    }
+}
+
 impl<'de> serde::Deserialize<'de> for KeptPod {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
-        use std::collections::BTreeMap;
-        #[derive(serde::Deserialize)]
-        #[serde(rename_all = "camelCase")]
-        struct Meta {
-            name: Option<String>,
-            namespace: Option<String>,
-            uid: Option<String>,
-            resource_version: Option<String>,
-            owner_references: Option<Vec<OwnerReference>>,
-            deletion_timestamp: Option<Time>,
-            annotations: Option<BTreeMap<String, String>>,
-        }
         #[derive(serde::Deserialize)]
         #[serde(rename_all = "camelCase")]
         struct Spec {
             node_name: Option<String>,
+        }
+        #[derive(serde::Deserialize)]
+        struct State {
+            waiting: Option<ContainerStateWaiting>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Container {
+            name: String,
+            #[serde(default)]
+            image: String,
+            state: Option<State>,
         }
         #[derive(serde::Deserialize)]
         #[serde(rename_all = "camelCase")]
@@ -161,44 +246,149 @@ impl<'de> serde::Deserialize<'de> for KeptPod {
             #[serde(rename = "podIP")]
             pod_ip: Option<String>,
             conditions: Option<Vec<PodCondition>>,
+            init_container_statuses: Option<Vec<Container>>,
+            container_statuses: Option<Vec<Container>>,
         }
         #[derive(serde::Deserialize)]
         struct Wire {
-            metadata: Meta,
+            metadata: WireMeta,
             spec: Option<Spec>,
             status: Option<Status>,
         }
         let w = Wire::deserialize(d)?;
-        let annotations: BTreeMap<String, String> = (w.metadata.annotations.into_iter())
-            .flatten()
-            .filter(|(k, _)| k == POD_DELETION_COST || k == CORDONED_ANNOTATION)
-            .collect();
-        let (phase, pod_ip, conditions) = match w.status {
-            Some(s) => (s.phase, s.pod_ip, s.conditions),
+        let status = w.status;
+        let (phase, pod_ip) = match &status {
+            Some(s) => (s.phase.clone(), s.pod_ip.clone()),
+            None => (None, None),
+        };
+        let (conditions, init, containers) = match status {
+            Some(s) => (
+                s.conditions,
+                s.init_container_statuses,
+                s.container_statuses,
+            ),
             None => (None, None, None),
         };
+        let mut conditions = conditions.unwrap_or_default();
+        let mut take = |f: &dyn Fn(&PodCondition) -> bool| {
+            conditions
+                .iter()
+                .position(f)
+                .map(|i| conditions.swap_remove(i))
+        };
+        let ready = take(&|c| c.type_ == "Ready");
+        let unscheduled = take(&|c| c.type_ == "PodScheduled" && c.status == "False");
+        let waiting = (init.into_iter().flatten())
+            .chain(containers.into_iter().flatten())
+            .filter_map(|c| {
+                let waiting = c.state?.waiting?;
+                Some(ContainerStatus {
+                    name: c.name,
+                    image: c.image,
+                    state: Some(ContainerState {
+                        waiting: Some(waiting),
+                        ..ContainerState::default()
+                    }),
+                    ..ContainerStatus::default()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_boxed_slice();
+        let (metadata, template_hash) = w.metadata.kept(&[POD_DELETION_COST, CORDONED_ANNOTATION]);
         Ok(KeptPod {
-            metadata: ObjectMeta {
-                name: w.metadata.name,
-                namespace: w.metadata.namespace,
-                uid: w.metadata.uid,
-                resource_version: w.metadata.resource_version,
-                owner_references: w.metadata.owner_references,
-                deletion_timestamp: w.metadata.deletion_timestamp,
-                annotations: (!annotations.is_empty()).then_some(annotations),
-                ..ObjectMeta::default()
-            },
+            metadata,
+            template_hash,
             node_name: w.spec.and_then(|s| s.node_name),
             phase,
             pod_ip,
-            ready: conditions
-                .into_iter()
-                .flatten()
-                .find(|c| c.type_ == "Ready"),
+            ready,
+            unscheduled,
+            waiting,
         })
     }
 }
 
+/// A ReplicaSet as the stores keep it: what the ownership check, the
+/// rollout ([`crate::rollout::observe`]) and a refusal
+/// ([`crate::status::workload_failure`]) read, taken from the watch's JSON
+/// as it is parsed: the metadata's keys and owner references, of the labels
+/// the pod-template hash, of the annotations the Deployment's revision,
+/// `spec.replicas`, `status.replicas` and a `ReplicaFailure` condition
+/// that is True. The pod template, most of a ReplicaSet's JSON, is skipped
+/// unbuilt.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KeptReplicaSet {
+    metadata: ObjectMeta,
+    template_hash: Option<String>,
+    revision: Option<String>,
+    replicas: Option<i32>,
+    status_replicas: i32,
+    failure: Option<ReplicaSetCondition>,
+}
+
+impl KeptReplicaSet {
+    /// The ReplicaSet with what was kept of it (its selector empty).
+    pub fn replica_set(&self) -> ReplicaSet {
+        ReplicaSet {
+            metadata: ObjectMeta {
+                labels: template_hash_label(&self.template_hash),
+                annotations: (self.revision.clone()).map(|r| {
+                    std::collections::BTreeMap::from([(REVISION_ANNOTATION.to_string(), r)])
+                }),
+                ..self.metadata.clone()
+            },
+            spec: Some(ReplicaSetSpec {
+                replicas: self.replicas,
+                ..ReplicaSetSpec::default()
+            }),
+            status: Some(ReplicaSetStatus {
+                replicas: self.status_replicas,
+                conditions: self.failure.clone().map(|c| vec![c]),
+                ..ReplicaSetStatus::default()
+            }),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for KeptReplicaSet {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Spec {
+            replicas: Option<i32>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Status {
+            #[serde(default)]
+            replicas: i32,
+            conditions: Option<Vec<ReplicaSetCondition>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Wire {
+            metadata: WireMeta,
+            spec: Option<Spec>,
+            status: Option<Status>,
+        }
+        let mut w = Wire::deserialize(d)?;
+        let revision =
+            (w.metadata.annotations.as_mut()).and_then(|a| a.remove(REVISION_ANNOTATION));
+        let (metadata, template_hash) = w.metadata.kept(&[]);
+        let (status_replicas, conditions) = match w.status {
+            Some(s) => (s.replicas, s.conditions),
+            None => (0, None),
+        };
+        Ok(KeptReplicaSet {
+            metadata,
+            template_hash,
+            revision,
+            replicas: w.spec.and_then(|s| s.replicas),
+            status_replicas,
+            failure: (conditions.into_iter().flatten())
+                .find(|c| c.type_ == "ReplicaFailure" && c.status == "True"),
+        })
+    }
+}
+
+resource_as!([] KeptReplicaSet => ReplicaSet, |o| &o.metadata, &mut o.metadata);
 resource_as!([] KeptPod => Pod, |o| &o.metadata, &mut o.metadata);
 
 /// The node profile ([`nodes::observed`]) each placement (node selector
@@ -315,21 +505,63 @@ impl Cache {
         let Some(deployment) = self.deployments.get(&ObjectRef::new(fleet).within(ns)) else {
             return Vec::new();
         };
+        self.owned(ns, &deployment.metadata, fleet_uid, true).1
+    }
+
+    /// The ReplicaSets in `ns` that `deployment` (fleet `fleet_uid`'s, as
+    /// applied) controls and, with `pods`, their pods, as the watches hold them
+    /// ([`KeptReplicaSet`], [`KeptPod`]), each in name order: what a
+    /// reconcile's workload listed through the API (`observe::workload`).
+    /// Empty while the watches have not seen them yet.
+    pub fn workload(
+        &self,
+        ns: &str,
+        deployment: &Deployment,
+        fleet_uid: &str,
+        pods: bool,
+    ) -> (Vec<ReplicaSet>, Vec<Pod>) {
+        let (sets, mut pods) = self.owned(ns, &deployment.metadata, fleet_uid, pods);
+        let mut sets: Vec<ReplicaSet> = sets.iter().map(|rs| rs.replica_set()).collect();
+        // In name order, as a list gives them.
+        sets.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        (sets, pods)
+    }
+
+    /// The ReplicaSets in `ns` that the Deployment of metadata
+    /// `deployment` controls (when fleet `fleet_uid` controls it) and,
+    /// with `pods`, the pods they control, copied out of the stores.
+    fn owned(
+        &self,
+        ns: &str,
+        deployment: &ObjectMeta,
+        fleet_uid: &str,
+        pods: bool,
+    ) -> (Vec<Arc<KeptReplicaSet>>, Vec<Pod>) {
         let in_ns = |m: &ObjectMeta| m.namespace.as_deref() == Some(ns);
         let sets = self.shards.replica_sets.state();
         let own = own_replica_sets(
-            Some(&deployment.metadata),
+            Some(deployment),
             fleet_uid,
             sets.iter().map(|rs| &rs.metadata).filter(|m| in_ns(m)),
         );
         if own.is_empty() {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
-        (self.shards.pods.state().iter())
-            .filter(|p| in_ns(&p.metadata))
-            .filter(|p| controller_uid(&p.metadata).is_some_and(|u| own.contains(u)))
-            .map(|p| p.pod())
-            .collect()
+        let pods = match pods {
+            true => (self.shards.pods.state().iter())
+                .filter(|p| in_ns(&p.metadata))
+                .filter(|p| controller_uid(&p.metadata).is_some_and(|u| own.contains(u)))
+                .map(|p| p.pod())
+                .collect(),
+            false => Vec::new(),
+        };
+        let own_sets = (sets.iter())
+            .filter(|rs| in_ns(&rs.metadata))
+            .filter(|rs| (rs.metadata.uid.as_deref()).is_some_and(|u| own.contains(u)))
+            .cloned()
+            .collect();
+        (own_sets, pods)
     }
 
     /// Waits (at most [`READY_WAIT`], and not past [`Cache::stop`]) until
@@ -553,7 +785,7 @@ mod tests {
             Writer<Stored<Service>>,
             Writer<Stored<PodDisruptionBudget>>,
             Writer<KeptPod>,
-            Writer<PartialObjectMeta<ReplicaSet>>,
+            Writer<KeptReplicaSet>,
         ),
     ) {
         let (nodes, n) = reflector::store();
@@ -697,13 +929,12 @@ mod tests {
             // The same Deployment uid in another namespace cannot be ours.
             ("team-b", "edge-1", "rs-3", "dep-1"),
         ] {
-            let mut rs: PartialObjectMeta<ReplicaSet> = serde_json::from_value(json!({
+            let rs: KeptReplicaSet = serde_json::from_value(json!({
                 "apiVersion": "apps/v1", "kind": "ReplicaSet",
                 "metadata": {"name": name, "namespace": ns, "uid": uid,
                              "ownerReferences": owner(controller)},
             }))
             .unwrap();
-            crate::controller::lean_owned(&mut rs);
             sets.apply_watcher_event(&watcher::Event::Apply(rs));
         }
         for (ns, name, rs) in [
@@ -759,6 +990,198 @@ mod tests {
 
     /// A kept object reads back whole, and its owner references read
     /// without it.
+    /// A reconcile reads the same failure and the same rollout from the
+    /// kept objects ([`Cache::workload`]) as from the whole objects the API
+    /// lists: a refused ReplicaSet, a pod whose init container cannot pull
+    /// its image, an unschedulable pod, a cordoned old shard being deleted
+    /// and a ready new one.
+    #[test]
+    fn the_workload_reads_the_same_from_the_kept_objects_as_from_the_listed_ones() {
+        use crate::status::workload_failure;
+        let (cache, (_, _, _, _, mut pods, mut sets)) = unlisted();
+        let owner = |kind: &str, uid: &str| {
+            json!([{"apiVersion": "apps/v1", "kind": kind, "name": "x",
+                    "uid": uid, "controller": true}])
+        };
+        let deployment: Deployment = serde_json::from_value(json!({
+            "metadata": {"name": "edge", "namespace": "team-a", "uid": "dep-1",
+                         "generation": 2, "ownerReferences": owner("ConnectionFleet", "fleet-1")},
+            "spec": {"replicas": 3, "selector": {}, "template": {}},
+            "status": {"observedGeneration": 2, "replicas": 4, "updatedReplicas": 2,
+                       "readyReplicas": 2},
+        }))
+        .unwrap();
+        let rs = |name: &str,
+                  uid: &str,
+                  hash: &str,
+                  revision: &str,
+                  replicas: i32,
+                  failure: bool| {
+            let conditions = match failure {
+                true => {
+                    json!([{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                "message": "pods \"edge-b-x\" is forbidden: exceeded quota"}])
+                }
+                false => json!([]),
+            };
+            json!({
+                "apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": name, "namespace": "team-a", "uid": uid,
+                             "labels": {FLEET_LABEL: "edge", POD_TEMPLATE_HASH: hash},
+                             "annotations": {REVISION_ANNOTATION: revision,
+                                             "deployment.kubernetes.io/desired-replicas": "3"},
+                             "managedFields": [{"manager": "kube-controller-manager"}],
+                             "ownerReferences": owner("Deployment", "dep-1")},
+                "spec": {"replicas": replicas, "selector": {"matchLabels": {FLEET_LABEL: "edge"}},
+                         "template": {"spec": {"containers": [{"name": "server", "image": "s:2"}]}}},
+                "status": {"replicas": replicas, "readyReplicas": replicas, "conditions": conditions},
+            })
+        };
+        let pod = |name: &str, rs_uid: &str, hash: &str, status: Value, extra: Value| {
+            let mut p = json!({
+                "metadata": {"name": name, "namespace": "team-a", "uid": format!("{name}-uid"),
+                             "labels": {FLEET_LABEL: "edge", POD_TEMPLATE_HASH: hash},
+                             "ownerReferences": owner("ReplicaSet", rs_uid)},
+                "spec": {"nodeName": "n1", "containers": [{"name": "server", "image": "s:2"}]},
+                "status": status,
+            });
+            if let Some(extra) = extra.as_object() {
+                for (k, v) in extra {
+                    p["metadata"][k] = v.clone();
+                }
+            }
+            p
+        };
+        let ready = json!({"type": "Ready", "status": "True",
+                           "lastTransitionTime": "2026-12-07T00:00:00Z"});
+        let listed_sets = vec![
+            rs("edge-a", "rs-a", "aaaa", "1", 2, false),
+            rs("edge-b", "rs-b", "bbbb", "2", 2, true),
+        ];
+        let listed_pods = vec![
+            // An old shard, cordoned and being deleted.
+            pod(
+                "edge-a-1",
+                "rs-a",
+                "aaaa",
+                json!({"phase": "Running", "podIP": "10.0.0.9", "conditions": [ready.clone()]}),
+                json!({"deletionTimestamp": "2026-12-07T00:00:05Z",
+                       "annotations": {CORDONED_ANNOTATION: "120", "other": "x"}}),
+            ),
+            // A new one, ready.
+            pod(
+                "edge-b-1",
+                "rs-b",
+                "bbbb",
+                json!({"phase": "Running", "podIP": "10.0.0.10",
+                       "conditions": [ready, {"type": "PodScheduled", "status": "True"}],
+                       "containerStatuses": [{"name": "server", "image": "s:2", "imageID": "",
+                                              "ready": true, "restartCount": 0,
+                                              "state": {"running": {}}}]}),
+                json!({}),
+            ),
+            // A new one whose init container cannot pull its image.
+            pod(
+                "edge-b-2",
+                "rs-b",
+                "bbbb",
+                json!({"phase": "Pending",
+                       "initContainerStatuses": [{"name": "sysctls", "image": "s:2", "imageID": "",
+                                                  "ready": false, "restartCount": 0,
+                                                  "state": {"waiting": {"reason": "ErrImagePull",
+                                                                        "message": "not found"}}}]}),
+                json!({}),
+            ),
+            // A new one no node can take.
+            pod(
+                "edge-b-3",
+                "rs-b",
+                "bbbb",
+                json!({"phase": "Pending",
+                       "conditions": [{"type": "PodScheduled", "status": "False",
+                                       "reason": "Unschedulable",
+                                       "message": "0/3 nodes are available: 3 Insufficient cpu."}]}),
+                json!({}),
+            ),
+        ];
+        for set in &listed_sets {
+            sets.apply_watcher_event(&watcher::Event::Apply(
+                serde_json::from_value(set.clone()).unwrap(),
+            ));
+        }
+        for p in &listed_pods {
+            pods.apply_watcher_event(&watcher::Event::Apply(
+                serde_json::from_value(p.clone()).unwrap(),
+            ));
+        }
+        let listed_sets: Vec<ReplicaSet> = listed_sets
+            .into_iter()
+            .map(|v| serde_json::from_value(v).unwrap())
+            .collect();
+        let listed_pods: Vec<Pod> = listed_pods
+            .into_iter()
+            .map(|v| serde_json::from_value(v).unwrap())
+            .collect();
+
+        let (kept_sets, kept_pods) = cache.workload("team-a", &deployment, "fleet-1", true);
+        assert_eq!(kept_sets.len(), 2);
+        assert_eq!(kept_pods.len(), 4);
+        let failure = workload_failure(&deployment, &listed_sets, &listed_pods);
+        assert!(failure.is_some());
+        assert_eq!(
+            workload_failure(&deployment, &kept_sets, &kept_pods),
+            failure
+        );
+        // Without the refusal, the image; without both, the scheduling.
+        let others =
+            |pods: &[Pod]| workload_failure(&deployment, &[], pods).map(|f| format!("{f:?}"));
+        let unpulled = others(&listed_pods);
+        assert!(
+            unpulled
+                .as_deref()
+                .is_some_and(|f| f.contains("ErrImagePull")),
+            "{unpulled:?}"
+        );
+        assert_eq!(others(&kept_pods), unpulled);
+        let placed = others(
+            &listed_pods[..1]
+                .iter()
+                .chain(&listed_pods[3..])
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        let kept_placed = others(
+            &kept_pods[..1]
+                .iter()
+                .chain(&kept_pods[3..])
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        assert!(
+            placed
+                .as_deref()
+                .is_some_and(|f| f.contains("Insufficient cpu")),
+            "{placed:?}"
+        );
+        assert_eq!(kept_placed, placed);
+        let rollout = crate::rollout::observe(&deployment, &listed_sets, &listed_pods);
+        assert_eq!(rollout.status.as_ref().map(|s| s.draining_shards), Some(1));
+        assert_eq!(
+            crate::rollout::observe(&deployment, &kept_sets, &kept_pods),
+            rollout
+        );
+        // Without the pods, the ReplicaSets alone; another fleet's uid
+        // owns nothing.
+        assert_eq!(
+            cache.workload("team-a", &deployment, "fleet-1", false).1,
+            Vec::<Pod>::new()
+        );
+        assert_eq!(
+            cache.workload("team-a", &deployment, "fleet-2", true),
+            (vec![], vec![])
+        );
+    }
+
     #[test]
     fn a_stored_object_keeps_its_owner_unparsed_and_reads_back_whole() {
         let d: Deployment = serde_json::from_value(json!({

@@ -298,31 +298,55 @@ pub fn settled(deployment: &Deployment) -> bool {
         && status.ready_replicas == Some(wanted)
 }
 
-/// Lists the workload of fleet `name`, as the Deployment stored after the
-/// apply stands. ReplicaSets carry the pod template's labels, so the fleet
-/// label selects them without a watch on every ReplicaSet in the cluster.
-/// Lists nothing when the Deployment is [`settled`] and the fleet's status
-/// has no rollout to carry on (`rollout_recorded` false, so no drain to wait
-/// out): no rollout, no refusal and no pull error can be read then, and
-/// the lists would find only the current ReplicaSet, and the older ones at
-/// 0 replicas. Most of a fleet's reconciles (its status, its Service or
-/// budget, a node's change) come while it is settled. Both lists are read
-/// without the objects' `managedFields` ([`unmanaged::list`]).
+/// Whether every pod `deployment` runs is of its current template, by its
+/// own status: it has had no other template (generation 1, as created),
+/// or its controller has observed the latest generation and counts no pod
+/// of an older one. A rollout, a template its controller has not seen yet,
+/// or a status not written yet is not.
+pub fn one_template(deployment: &Deployment) -> bool {
+    let generation = deployment.metadata.generation;
+    let observed = deployment.status.as_ref().filter(|s| {
+        generation.is_some()
+            && s.observed_generation == generation
+            && s.replicas == s.updated_replicas
+    });
+    generation == Some(1) || observed.is_some()
+}
+
+/// The workload of fleet `ns`/`name` (uid `fleet_uid`), as the Deployment
+/// stored after the apply stands. Nothing when the Deployment is
+/// [`settled`] and the fleet's status has no rollout to carry on
+/// (`rollout_recorded` false, so no drain to wait out): no rollout, no
+/// refusal and no pull error can be read then, and only the current
+/// ReplicaSet and the older ones at 0 replicas would be found. Most of a
+/// fleet's reconciles (its status, its Service or budget, a node's change)
+/// come while it is settled.
+///
+/// Outside a rollout (none recorded, and the Deployment runs
+/// [`one_template`]), while shards start or one is not ready, the
+/// ReplicaSets and pods are read from the watches' stores
+/// ([`Cache::workload`]) when the `cache` is given: at 1,000 fleets those
+/// reconciles listed both, 5,300 of the ramp's 9,374 reads (2026-12-07). A
+/// store lags the API by a watch event; a refusal or a pull error is read
+/// at the next reconcile, as a list would read one that came a moment
+/// after it. A rollout's reconciles, whose cordons and gate go by the
+/// shards' revisions, list through the API: the ReplicaSets by the fleet
+/// label (ReplicaSets carry the pod template's labels, so no watch on every
+/// ReplicaSet in the cluster) and, while fewer replicas are ready than
+/// asked or two ReplicaSets want or run pods, the pods, both read without
+/// their `managedFields` ([`unmanaged::list`]).
 pub async fn workload(
     client: &Client,
+    cache: Option<&Cache>,
     ns: &str,
     name: &str,
+    fleet_uid: &str,
     deployment: &Deployment,
     rollout_recorded: bool,
 ) -> Result<Workload, Error> {
     if !rollout_recorded && settled(deployment) {
         return Ok(Workload::default());
     }
-    let by_fleet = ListParams::default().labels(&format!("{FLEET_LABEL}={name}"));
-    let replica_sets: Vec<ReplicaSet> =
-        unmanaged::list(&Api::namespaced(client.clone(), ns), &by_fleet)
-            .await
-            .map_err(Error::observe(format!("list ReplicaSets of {name}")))?;
     let wanted = deployment
         .spec
         .as_ref()
@@ -333,6 +357,15 @@ pub async fn workload(
         .as_ref()
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
+    if let Some(cache) = cache.filter(|_| !rollout_recorded && one_template(deployment)) {
+        let (replica_sets, pods) = cache.workload(ns, deployment, fleet_uid, ready < wanted);
+        return Ok(Workload { replica_sets, pods });
+    }
+    let by_fleet = ListParams::default().labels(&format!("{FLEET_LABEL}={name}"));
+    let replica_sets: Vec<ReplicaSet> =
+        unmanaged::list(&Api::namespaced(client.clone(), ns), &by_fleet)
+            .await
+            .map_err(Error::observe(format!("list ReplicaSets of {name}")))?;
     // Two ReplicaSets that want or run pods: a rollout, even before the new
     // one's first pod exists (its status still says 0) and before the
     // Deployment's status says anything.
