@@ -14,6 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use crate::api::status::{CalibrationStatus, FigureSource, RolloutStatus};
 use crate::api::sysctl::join_names;
 use crate::api::{ConnectionFleetStatus, LimitingFactor, Plan};
+use crate::autoscale::observe::controller_uid;
 use crate::plan::calibration::State as CalibrationState;
 use crate::plan::drain::{DRAIN_ACCEPT_SECONDS, DRAIN_SLACK_SECONDS, drain_timeout_seconds};
 use crate::reason::ConditionType::Calibrated as CALIBRATED;
@@ -149,15 +150,7 @@ pub fn workload_failure(
     let revision = |rs: &ReplicaSet| crate::rollout::revision(rs).unwrap_or(0);
     let mut owned: Vec<&ReplicaSet> = replica_sets
         .iter()
-        .filter(|rs| {
-            uid.is_some()
-                && rs
-                    .metadata
-                    .owner_references
-                    .iter()
-                    .flatten()
-                    .any(|o| o.controller == Some(true) && Some(o.uid.as_str()) == uid)
-        })
+        .filter(|rs| uid.is_some() && controller_uid(&rs.metadata) == uid)
         .collect();
     owned.sort_by_key(|rs| (std::cmp::Reverse(revision(rs)), rs.metadata.name.clone()));
     let replica_failure = owned.iter().find_map(|rs| {

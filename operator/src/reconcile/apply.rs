@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use super::Error;
 use super::cache::{self, Cache};
 use crate::api::ConnectionFleet;
+use crate::autoscale::observe::controller_uid;
 use crate::names::{
     FIELD_MANAGER, PAUSED_BY_FLEET_ANNOTATION, ROLLOUT_FIELD_MANAGER, labels, secret_name,
 };
@@ -217,7 +218,7 @@ impl ServiceApplies {
     pub fn under_way(&self, fleet: &ObjectRef<ConnectionFleet>, uid: &str) -> bool {
         let running = self.running.lock().unwrap();
         running.get(fleet).is_some_and(|run| {
-            !run.task.is_finished() && super::observe::controlled_by(&run.want.metadata, uid)
+            !run.task.is_finished() && controller_uid(&run.want.metadata) == Some(uid)
         })
     }
 

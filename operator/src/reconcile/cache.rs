@@ -239,7 +239,7 @@ impl<'de> serde::Deserialize<'de> for KeptPod {
             image: String,
             state: Option<State>,
         }
-        #[derive(serde::Deserialize)]
+        #[derive(Default, serde::Deserialize)]
         #[serde(rename_all = "camelCase")]
         struct Status {
             phase: Option<String>,
@@ -256,19 +256,13 @@ impl<'de> serde::Deserialize<'de> for KeptPod {
             status: Option<Status>,
         }
         let w = Wire::deserialize(d)?;
-        let status = w.status;
-        let (phase, pod_ip) = match &status {
-            Some(s) => (s.phase.clone(), s.pod_ip.clone()),
-            None => (None, None),
-        };
-        let (conditions, init, containers) = match status {
-            Some(s) => (
-                s.conditions,
-                s.init_container_statuses,
-                s.container_statuses,
-            ),
-            None => (None, None, None),
-        };
+        let Status {
+            phase,
+            pod_ip,
+            conditions,
+            init_container_statuses: init,
+            container_statuses: containers,
+        } = w.status.unwrap_or_default();
         let mut conditions = conditions.unwrap_or_default();
         let mut take = |f: &dyn Fn(&PodCondition) -> bool| {
             conditions
@@ -988,8 +982,6 @@ mod tests {
         assert!(cache.fleet_pods("team-a", "other", "fleet-1").is_empty());
     }
 
-    /// A kept object reads back whole, and its owner references read
-    /// without it.
     /// A reconcile reads the same failure and the same rollout from the
     /// kept objects ([`Cache::workload`]) as from the whole objects the API
     /// lists: a refused ReplicaSet, a pod whose init container cannot pull
@@ -1143,20 +1135,15 @@ mod tests {
             "{unpulled:?}"
         );
         assert_eq!(others(&kept_pods), unpulled);
-        let placed = others(
-            &listed_pods[..1]
-                .iter()
-                .chain(&listed_pods[3..])
-                .cloned()
-                .collect::<Vec<_>>(),
-        );
-        let kept_placed = others(
-            &kept_pods[..1]
-                .iter()
-                .chain(&kept_pods[3..])
-                .cloned()
-                .collect::<Vec<_>>(),
-        );
+        // All but the pod that cannot pull (the third in name order).
+        let pulled = |pods: &[Pod]| -> Vec<Pod> {
+            (pods.iter().enumerate())
+                .filter(|(i, _)| *i != 2)
+                .map(|(_, p)| p.clone())
+                .collect()
+        };
+        let placed = others(&pulled(&listed_pods));
+        let kept_placed = others(&pulled(&kept_pods));
         assert!(
             placed
                 .as_deref()
@@ -1182,6 +1169,8 @@ mod tests {
         );
     }
 
+    /// A kept object reads back whole, and its owner references read
+    /// without it.
     #[test]
     fn a_stored_object_keeps_its_owner_unparsed_and_reads_back_whole() {
         let d: Deployment = serde_json::from_value(json!({

@@ -15,6 +15,7 @@ use super::Error;
 use super::cache::{self, Cache};
 use crate::api::ConnectionFleet;
 use crate::api::status::NodeSource;
+use crate::autoscale::observe::controller_uid;
 use crate::names::{FLEET_LABEL, secret_name};
 use crate::plan::{NodeFacts, PlanError, nodes};
 use crate::unmanaged::{self, Unmanaged};
@@ -250,12 +251,6 @@ pub fn secret_conflict(secret: &Secret, fleet: &str, uid: &str) -> Option<String
     not_ours::<Secret>(Some(&secret.metadata), &secret_name(fleet), uid)
 }
 
-/// Whether an object's metadata `meta` names the fleet of `uid` as its
-/// controller (an owner reference with `controller: true`).
-pub fn controlled_by(meta: &ObjectMeta, uid: &str) -> bool {
-    (meta.owner_references.iter().flatten()).any(|r| r.controller == Some(true) && r.uid == uid)
-}
-
 /// The message naming object `name` of kind `K` when it exists (`meta`)
 /// and no controller owner reference names the fleet's `uid`.
 fn not_ours<K: Resource<DynamicType = ()>>(
@@ -264,7 +259,7 @@ fn not_ours<K: Resource<DynamicType = ()>>(
     uid: &str,
 ) -> Option<String> {
     let kind = K::kind(&());
-    meta.filter(|m| !controlled_by(m, uid)).map(|_| {
+    meta.filter(|m| controller_uid(m) != Some(uid)).map(|_| {
         format!("{kind} {name} already exists and is not owned by this ConnectionFleet; rename the fleet or remove the {kind}")
     })
 }
