@@ -445,11 +445,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             // One thread runs the controller (a current-thread runtime; DNS
             // lookups still go to tokio's blocking pool). It waits on the API
-            // server: at 1,000 fleets the ramp took 7.7 CPU-seconds on one
-            // thread against 10.8-10.9 on the default two workers, RSS 52 /
-            // 70 MB steady / peak against 57 / 73-76 MB, with apply ->
-            // Deployment and the re-plan within the spread between runs
-            // (`make bench-scale`, one run each, docs/scale.md, 2026-12-07).
+            // server: at 1,000 fleets the ramp took 7.7 and 9.4 CPU-seconds
+            // on one thread (two runs) against 10.8-10.9 on the default two
+            // workers, RSS 52 / 70 MB steady / peak against 57 / 73-76 MB,
+            // with apply -> Deployment and the re-plan within the spread
+            // between runs (`make bench-scale`, docs/scale.md, 2026-12-07).
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
