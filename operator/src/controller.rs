@@ -995,7 +995,7 @@ mod tests {
                 "annotations": {"node.alpha.kubernetes.io/ttl": "0",
                     "volumes.kubernetes.io/controller-managed-attach-detach": "true",
                     NODE_ALLOWED_UNSAFE_SYSCTLS_ANNOTATION: "net.ipv4.tcp_rmem,net.ipv4.tcp_wmem"}},
-            "spec": {"podCIDR": "10.244.1.0/24", "providerID": "kwok://n1",
+            "spec": {"podCIDR": "127.1.1.0/24", "providerID": "kwok://n1",
                 "taints": [{"key": "dedicated", "value": "edge", "effect": "NoSchedule"}]},
             "status": {
                 "capacity": {"cpu": "16", "memory": "64Gi", "pods": "110"},
