@@ -195,7 +195,7 @@ fn owned<K: Kept + serde::Serialize>(
 }
 
 /// [`keep`] for an owned-object store: each object made [`lean`] and kept
-/// as its [`Stored`] form (compact JSON) before it is passed on; the
+/// as its [`Stored`] form (LZ4-packed compact JSON) before it is passed on; the
 /// object passed on only triggers its fleet's reconcile.
 pub fn keep_compact<K: Kept + serde::Serialize>(
     events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,

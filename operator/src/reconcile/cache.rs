@@ -11,7 +11,8 @@
 //! PodDisruptionBudgets labelled as managed by the operator, each kept
 //! without `managedFields` (and nodes without their image lists), which are
 //! most of an object's bytes and are read by no reconcile. The owned
-//! objects are kept as compact JSON ([`Stored`]), parsed when read.
+//! objects are kept as LZ4-packed compact JSON ([`Stored`]), unpacked and
+//! parsed when read.
 //!
 //! A store lags the API by a watch event: an object the cache has not seen
 //! yet is read or applied through the API as before, and an object changed
@@ -580,14 +581,21 @@ impl Cache {
 /// An object as an owned-object store keeps it: the metadata the store
 /// is keyed by (name, namespace, uid, resourceVersion) and its owner
 /// references ([`metadata`]: the ownership check reads them unparsed), and
-/// the whole object as compact JSON, parsed when a reconcile reads it. k8s-openapi's typed
-/// objects are several times their JSON in memory: a rendered Deployment
-/// took 24.6 kB as a `Deployment` for 4.4 kB of JSON
+/// the whole object as compact JSON, LZ4-compressed against a dictionary
+/// ([`Dictionaries`]), unpacked and parsed when a reconcile reads it.
+/// k8s-openapi's typed objects are several times their JSON in memory: a
+/// rendered Deployment took 24.6 kB as a `Deployment` for 4.4 kB of JSON
 /// (`tests/store_heap.rs`, 2026-12-03), three quarters of the stores' heap
-/// at 1,000 fleets.
+/// at 1,000 fleets. The objects one operator renders differ in a few
+/// values (names, sizes, hashes), so against the first object of its kind
+/// as a dictionary a Deployment's 4.4 kB of JSON packs into a few hundred
+/// bytes (`tests/store_heap.rs` prints the figures).
 pub struct Stored<K> {
     metadata: ObjectMeta,
-    json: Box<str>,
+    /// The JSON, LZ4 block format with its length in front.
+    packed: Box<[u8]>,
+    /// The dictionary `packed` was compressed against.
+    dictionary: Arc<[u8]>,
     kind: PhantomData<fn() -> K>,
 }
 
@@ -596,7 +604,8 @@ impl<K> Clone for Stored<K> {
     fn clone(&self) -> Self {
         Stored {
             metadata: self.metadata.clone(),
-            json: self.json.clone(),
+            packed: self.packed.clone(),
+            dictionary: self.dictionary.clone(),
             kind: PhantomData,
         }
     }
@@ -606,15 +615,40 @@ impl<K> std::fmt::Debug for Stored<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stored")
             .field("metadata", &self.metadata)
-            .field("json_bytes", &self.json.len())
+            .field("packed_bytes", &self.packed.len())
             .finish()
     }
 }
 
-impl<K: Resource + Serialize> Stored<K> {
+/// The dictionary each kind's [`Stored`] objects are compressed against:
+/// the JSON of the first object of that kind this process stored. It is
+/// kept for the life of the process (one object of each owned kind, about
+/// 6 kB in all); each [`Stored`] holds the one it was packed with, so the
+/// choice never has to be made again.
+struct Dictionaries(Mutex<HashMap<String, Arc<[u8]>>>);
+
+static DICTIONARIES: std::sync::LazyLock<Dictionaries> =
+    std::sync::LazyLock::new(|| Dictionaries(Mutex::default()));
+
+impl Dictionaries {
+    /// The dictionary of `kind`; `json` becomes it if there is none yet.
+    fn of(&self, kind: &str, json: &[u8]) -> Arc<[u8]> {
+        let mut all = self.0.lock().unwrap();
+        match all.get(kind) {
+            Some(d) => d.clone(),
+            None => all.entry(kind.to_string()).or_insert(json.into()).clone(),
+        }
+    }
+}
+
+impl<K: Resource<DynamicType = ()> + Serialize> Stored<K> {
     /// `o` as a store keeps it.
     pub fn new(o: &K) -> Stored<K> {
         let m = o.meta();
+        // Serializing a k8s-openapi object into a Vec cannot fail.
+        let json = serde_json::to_vec(o).unwrap_or_default();
+        let dictionary = DICTIONARIES.of(&K::kind(&()), &json);
+        let packed = lz4_flex::block::compress_prepend_size_with_dict(&json, &dictionary);
         Stored {
             metadata: ObjectMeta {
                 name: m.name.clone(),
@@ -624,15 +658,21 @@ impl<K: Resource + Serialize> Stored<K> {
                 owner_references: m.owner_references.clone(),
                 ..ObjectMeta::default()
             },
-            // Serializing a k8s-openapi object into a String cannot fail.
-            json: serde_json::to_string(o).unwrap_or_default().into(),
+            packed: packed.into(),
+            dictionary,
             kind: PhantomData,
         }
     }
 
+    /// The object's JSON (`None` only if it does not unpack, which a
+    /// block this process packed always does).
+    fn json(&self) -> Option<Vec<u8>> {
+        lz4_flex::block::decompress_size_prepended_with_dict(&self.packed, &self.dictionary).ok()
+    }
+
     /// The object as JSON.
     pub fn value(&self) -> Option<Value> {
-        serde_json::from_str(&self.json).ok()
+        serde_json::from_slice(&self.json()?).ok()
     }
 
     /// The object (`None` only if the JSON does not read as `K`).
@@ -640,14 +680,16 @@ impl<K: Resource + Serialize> Stored<K> {
     where
         K: DeserializeOwned,
     {
-        serde_json::from_str(&self.json).ok()
+        serde_json::from_slice(&self.json()?).ok()
     }
 }
 
 resource_as!([K: Resource<DynamicType = ()>] Stored<K> => K, |o| &o.metadata, &mut o.metadata);
 
 /// A watch event of `K` as its [`Stored`] form, for a store's writer.
-pub fn stored_event<K: Resource + Serialize>(e: &watcher::Event<K>) -> watcher::Event<Stored<K>> {
+pub fn stored_event<K: Resource<DynamicType = ()> + Serialize>(
+    e: &watcher::Event<K>,
+) -> watcher::Event<Stored<K>> {
     use watcher::Event;
     match e {
         Event::Apply(o) => Event::Apply(Stored::new(o)),
@@ -1200,6 +1242,38 @@ mod tests {
         );
         assert_eq!(get(&store, "team-a", "edge"), Some(d));
         assert_eq!(metadata(&store, "team-b", "edge"), None);
+    }
+
+    /// Objects of one kind that differ in a few values pack into a fraction
+    /// of their JSON against the kind's dictionary, and read back exactly,
+    /// whichever of them the dictionary came from. (The dictionary is the
+    /// process's: no other test of this crate stores a Service.)
+    #[test]
+    fn objects_of_a_kind_pack_against_its_dictionary_and_read_back_exactly() {
+        let service = |i: usize| -> Service {
+            serde_json::from_value(json!({
+                "metadata": {"name": format!("fleet-{i}"), "namespace": format!("team-{i}"),
+                             "uid": format!("00000000-0000-0000-0000-{i:012}"),
+                             "resourceVersion": format!("{}", 1000 + i),
+                             "labels": {"app.kubernetes.io/managed-by": "c10m-operator",
+                                        "c10m.dev/fleet": format!("fleet-{i}")}},
+                "spec": {"selector": {"c10m.dev/fleet": format!("fleet-{i}")},
+                         "ports": [{"name": "ws", "port": 8080 + i, "protocol": "TCP",
+                                    "targetPort": 8080 + i},
+                                   {"name": "metrics", "port": 9100, "protocol": "TCP",
+                                    "targetPort": 9100}],
+                         "clusterIP": format!("127.2.0.{i}"), "type": "ClusterIP",
+                         "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"}
+            }))
+            .unwrap()
+        };
+        let stored: Vec<_> = (1..=3).map(|i| Stored::new(&service(i))).collect();
+        for (i, s) in (1..=3).zip(&stored) {
+            assert_eq!(s.object(), Some(service(i)));
+        }
+        let json = serde_json::to_vec(&service(3)).unwrap().len();
+        let packed = stored[2].packed.len();
+        assert!(packed * 4 < json, "{packed} B packed for {json} B of JSON");
     }
 
     #[test]
