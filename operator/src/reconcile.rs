@@ -327,10 +327,10 @@ impl Context {
     /// Counts a finished reconcile of `fleet`: its metrics, and the
     /// consecutive failures its backoff grows with (reset on success).
     /// Returns the failures so far.
-    pub fn finished(&self, fleet: &ConnectionFleet, error: Option<&Error>, took: Duration) -> u32 {
+    pub fn finished(&self, fleet: &impl Resource, error: Option<&Error>, took: Duration) -> u32 {
         self.metrics
             .observe(error.map_or("ok", Error::metric_label), took);
-        let key = ObjectRef::from_obj(fleet);
+        let key = fleet_key(fleet);
         let mut failures = self.failures.lock().unwrap();
         match error {
             None => {
@@ -356,8 +356,8 @@ impl Context {
         }
     }
 
-    fn failures(&self, fleet: &ConnectionFleet) -> u32 {
-        let key = ObjectRef::from_obj(fleet);
+    fn failures(&self, fleet: &impl Resource) -> u32 {
+        let key = fleet_key(fleet);
         self.failures
             .lock()
             .unwrap()
@@ -365,6 +365,13 @@ impl Context {
             .copied()
             .unwrap_or(0)
     }
+}
+
+/// The key of `fleet` (a [`ConnectionFleet`], or the controller's kept
+/// form of one) in the context's per-fleet maps: its name and namespace.
+fn fleet_key(fleet: &impl Resource) -> ObjectRef<ConnectionFleet> {
+    let ns = fleet.meta().namespace.as_deref().unwrap_or_default();
+    ObjectRef::new(fleet.meta().name.as_deref().unwrap_or_default()).within(ns)
 }
 
 /// How the pipeline ended, for [`report::report`].
@@ -849,10 +856,10 @@ async fn metrics_loop(
 
 /// Requeue after an error, by its kind and the fleet's consecutive
 /// failures (the failure itself was already reported on the fleet).
-pub fn error_policy(fleet: Arc<ConnectionFleet>, error: &Error, ctx: Arc<Context>) -> Action {
-    let n = ctx.failures(&fleet).max(1);
+pub fn error_policy(fleet: &impl Resource, error: &Error, ctx: Arc<Context>) -> Action {
+    let n = ctx.failures(fleet).max(1);
     let wait = error.retry_after(n);
-    warn!(fleet = %fleet.name_any(), error = %error, step = error.metric_label(), failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
+    warn!(fleet = fleet.meta().name.as_deref().unwrap_or_default(), error = %error, step = error.metric_label(), failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
     Action::requeue(wait)
 }
 

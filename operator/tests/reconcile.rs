@@ -813,7 +813,7 @@ async fn an_apply_error_is_reported_once_and_retried_with_growing_backoff() {
             .ctx
             .finished(&cached, Some(&err), Duration::from_millis(5));
         assert_eq!(failures, pass);
-        waits.push(error_policy(fleet.clone(), &err, h.ctx.clone()));
+        waits.push(error_policy(fleet.as_ref(), &err, h.ctx.clone()));
 
         let calls = h.api.take();
         let deployment_applies = writes_to(&calls, DEPLOYMENT);
@@ -870,7 +870,7 @@ async fn an_apply_error_is_reported_once_and_retried_with_growing_backoff() {
     let err = h.reconcile(&cached).await.expect_err("the apply failed");
     assert_eq!(h.ctx.finished(&cached, Some(&err), Duration::ZERO), 1);
     assert_eq!(
-        error_policy(fleet, &err, h.ctx.clone()),
+        error_policy(fleet.as_ref(), &err, h.ctx.clone()),
         Action::requeue(Duration::from_secs(2))
     );
     let calls = h.api.take();
@@ -1048,7 +1048,7 @@ async fn a_secret_without_a_token_waits_for_a_person() {
     assert!(matches!(err, Error::AdminSecretInvalid { .. }), "{err:?}");
     assert_eq!(h.ctx.finished(&cached, Some(&err), Duration::ZERO), 1);
     assert_eq!(
-        error_policy(Arc::new(cached.clone()), &err, h.ctx.clone()),
+        error_policy(&cached, &err, h.ctx.clone()),
         Action::requeue(MAX_BACKOFF),
         "no fast retry: the Secret needs a person"
     );

@@ -684,6 +684,17 @@ impl<K: Resource<DynamicType = ()> + Serialize> Stored<K> {
     }
 }
 
+/// A `K` read as JSON, kept (the controller's bound on what its store
+/// keeps; the fleets' watch feeds it [`Stored::new`]).
+impl<'de, K> serde::Deserialize<'de> for Stored<K>
+where
+    K: Resource<DynamicType = ()> + Serialize + DeserializeOwned,
+{
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        K::deserialize(d).map(|o| Stored::new(&o))
+    }
+}
+
 resource_as!([K: Resource<DynamicType = ()>] Stored<K> => K, |o| &o.metadata, &mut o.metadata);
 
 /// A watch event of `K` as its [`Stored`] form, for a store's writer.
