@@ -784,19 +784,14 @@ pub async fn run_controller(
         .run(
             |stored, ctx: Arc<Context>| async move {
                 let started = Instant::now();
-                let fleet =
-                    stored
-                        .object()
-                        .map(Arc::new)
-                        .ok_or_else(|| reconcile::Error::Malformed {
-                            what: format!(
-                                "ConnectionFleet {} as kept does not read back",
-                                stored.name_any()
-                            ),
-                        });
-                let res = match fleet {
-                    Ok(fleet) => reconcile(fleet, ctx.clone()).await,
-                    Err(e) => Err(e),
+                let res = match stored.object() {
+                    Some(fleet) => reconcile(Arc::new(fleet), ctx.clone()).await,
+                    None => Err(reconcile::Error::Malformed {
+                        what: format!(
+                            "ConnectionFleet {} as kept does not read back",
+                            stored.name_any()
+                        ),
+                    }),
                 };
                 ctx.finished(stored.as_ref(), res.as_ref().err(), started.elapsed());
                 res

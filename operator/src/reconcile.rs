@@ -370,8 +370,7 @@ impl Context {
 /// The key of `fleet` (a [`ConnectionFleet`], or the controller's kept
 /// form of one) in the context's per-fleet maps: its name and namespace.
 fn fleet_key(fleet: &impl Resource) -> ObjectRef<ConnectionFleet> {
-    let ns = fleet.meta().namespace.as_deref().unwrap_or_default();
-    ObjectRef::new(fleet.meta().name.as_deref().unwrap_or_default()).within(ns)
+    ObjectRef::new(&fleet.name_any()).within(&fleet.namespace().unwrap_or_default())
 }
 
 /// How the pipeline ended, for [`report::report`].
@@ -859,7 +858,7 @@ async fn metrics_loop(
 pub fn error_policy(fleet: &impl Resource, error: &Error, ctx: Arc<Context>) -> Action {
     let n = ctx.failures(fleet).max(1);
     let wait = error.retry_after(n);
-    warn!(fleet = fleet.meta().name.as_deref().unwrap_or_default(), error = %error, step = error.metric_label(), failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
+    warn!(fleet = %fleet.name_any(), error = %error, step = error.metric_label(), failures = n, retry_in_s = wait.as_secs(), "reconcile failed");
     Action::requeue(wait)
 }
 

@@ -19,7 +19,7 @@
 //! behind the operator's back triggers a reconcile that finds the change in
 //! the store. [`difference`] decides what "would change nothing" means.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -582,7 +582,7 @@ impl Cache {
 /// is keyed by (name, namespace, uid, resourceVersion) and its owner
 /// references ([`metadata`]: the ownership check reads them unparsed), and
 /// the whole object as compact JSON, LZ4-compressed against a dictionary
-/// ([`Dictionaries`]), unpacked and parsed when a reconcile reads it.
+/// ([`dictionary`]), unpacked and parsed when a reconcile reads it.
 /// k8s-openapi's typed objects are several times their JSON in memory: a
 /// rendered Deployment took 24.6 kB as a `Deployment` for 4.4 kB of JSON
 /// (`tests/store_heap.rs`, 2026-12-03), three quarters of the stores' heap
@@ -620,26 +620,21 @@ impl<K> std::fmt::Debug for Stored<K> {
     }
 }
 
-/// The dictionary each kind's [`Stored`] objects are compressed against:
-/// the JSON of the first object of that kind this process stored. It is
-/// kept for the life of the process (one fleet and one object of each
-/// kind it owns: 8.4 kB of JSON with `store_heap.rs`'s objects); each
-/// [`Stored`] holds the one it was packed with, so the choice never has to
-/// be made again.
-struct Dictionaries(Mutex<HashMap<String, Arc<[u8]>>>);
-
-static DICTIONARIES: std::sync::LazyLock<Dictionaries> =
-    std::sync::LazyLock::new(|| Dictionaries(Mutex::default()));
-
-impl Dictionaries {
-    /// The dictionary of `kind`; `json` becomes it if there is none yet.
-    fn of(&self, kind: &str, json: &[u8]) -> Arc<[u8]> {
-        let mut all = self.0.lock().unwrap();
-        match all.get(kind) {
-            Some(d) => d.clone(),
-            None => all.entry(kind.to_string()).or_insert(json.into()).clone(),
-        }
+/// The dictionary `kind`'s [`Stored`] objects are compressed against:
+/// the JSON of the first object of that kind this process stored (`json`,
+/// when there is none yet). It is kept for the life of the process (one
+/// fleet and one object of each kind it owns: 8.4 kB of JSON with
+/// `store_heap.rs`'s objects); each [`Stored`] holds the one it was packed
+/// with, so the choice never has to be made again.
+fn dictionary(kind: &str, json: &[u8]) -> Arc<[u8]> {
+    static DICTIONARIES: Mutex<BTreeMap<String, Arc<[u8]>>> = Mutex::new(BTreeMap::new());
+    let mut all = DICTIONARIES.lock().unwrap();
+    if let Some(d) = all.get(kind) {
+        return d.clone();
     }
+    let d: Arc<[u8]> = json.into();
+    all.insert(kind.to_string(), d.clone());
+    d
 }
 
 impl<K: Resource<DynamicType = ()> + Serialize> Stored<K> {
@@ -648,7 +643,7 @@ impl<K: Resource<DynamicType = ()> + Serialize> Stored<K> {
         let m = o.meta();
         // Serializing a k8s-openapi object into a Vec cannot fail.
         let json = serde_json::to_vec(o).unwrap_or_default();
-        let dictionary = DICTIONARIES.of(&K::kind(&()), &json);
+        let dictionary = dictionary(&K::kind(&()), &json);
         let packed = lz4_flex::block::compress_prepend_size_with_dict(&json, &dictionary);
         Stored {
             metadata: ObjectMeta {
