@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{self, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::utils::{PredicateConfig, WatchStreamExt};
 use kube::runtime::watcher::{self, watcher};
@@ -26,6 +26,7 @@ use tracing::{info, warn};
 
 use crate::api::{CRD_SCHEMA_REVISION, ConnectionFleet};
 use crate::autoscale;
+use crate::events::Recorder;
 use crate::names::{
     FIELD_MANAGER, FLEET_LABEL, MANAGED_BY_SELECTOR, NODE_ALLOWED_UNSAFE_SYSCTLS_ANNOTATION,
     SCHEMA_REVISION_ANNOTATION,

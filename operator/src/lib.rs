@@ -21,11 +21,13 @@
 //! - [`telemetry`], [`table`]: the operator's own metrics; plan tables.
 //! - [`promql`]: tenant PromQL confined to the fleet's own series (a leaf);
 //! - [`policy`]: the cluster admin's policy, what no fleet can choose (a leaf).
+//! - [`events`]: Kubernetes Events with repeats folded into series (a leaf).
 
 pub mod api;
 pub mod autoscale;
 pub mod calibrate;
 pub mod controller;
+pub mod events;
 pub mod leader;
 pub mod names;
 pub mod plan;

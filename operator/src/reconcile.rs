@@ -33,7 +33,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tracing::warn;
@@ -42,6 +42,7 @@ use crate::api::status::{CalibrationStatus, FigureSource, NodeSource, RolloutSta
 use crate::api::{ConnectionFleet, Plan, SysctlMode};
 use crate::autoscale::{self, act::AdminToken};
 use crate::calibrate;
+use crate::events::Recorder;
 use crate::names::{FIELD_MANAGER, secret_name};
 use crate::plan::calibration::State as CalibrationState;
 use crate::plan::{self, NodeFacts, PlanError};
