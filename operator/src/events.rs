@@ -16,7 +16,7 @@
 //! heap at the end of `make bench-scale`'s quiet window, for 1,000 events
 //! (a dhat profile, `docs/scale.md`, "What the heap holds"). This one keeps
 //! a 64-bit hash of each key with the event's name, count and time
-//! (about 60 bytes an event) and prunes on every publication.
+//! (under 100 bytes an event, its name included) and prunes on every publication.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
