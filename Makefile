@@ -10,7 +10,7 @@ export C10M_STATE ?= $(C10M_CACHE)/cluster
 LOCAL_KUBECONFIG := $(C10M_STATE)/kubeconfig
 OPERATOR := target/debug/c10m-operator
 # The operator's modules from the leaves up: none may import one listed after it.
-OPERATOR_LAYERS := names,unmanaged,reason,telemetry,promql,policy,api,plan,render,autoscale,rollout,status,calibrate,reconcile,controller,leader,table
+OPERATOR_LAYERS := names,unmanaged,reason,events,telemetry,promql,policy,api,plan,render,autoscale,rollout,status,calibrate,reconcile,controller,leader,table
 
 .PHONY: help deps build images cluster-up demo down test test-unit lint crd measure-server
 
