@@ -323,12 +323,32 @@ pub fn ensure_crd() {
             "-f",
             crd.to_str().unwrap(),
         ]);
-        kubectl(&[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/connectionfleets.c10m.dev",
-        ]);
+        // Polled, not `kubectl wait --for=condition=Established`: on a CRD
+        // created a moment ago, before the API server has written any
+        // condition, that kubectl (1.32) fails at once (".status.conditions
+        // accessor error: <nil> is of the type <nil>"), as `make test` saw
+        // once on 2026-12-07.
+        wait_seeing(
+            "CRD connectionfleets.c10m.dev Established",
+            Duration::from_secs(60),
+            || {
+                let out = kubectl_with(
+                    &[
+                        "get",
+                        "crd/connectionfleets.c10m.dev",
+                        "-o",
+                        "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+                    ],
+                    None,
+                );
+                let seen = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+                match (out.status.success(), seen.as_str()) {
+                    (true, "True") => Ok(()),
+                    (true, _) => Err(format!("Established: {seen:?}")),
+                    (false, _) => Err(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+                }
+            },
+        );
     });
 }
 
