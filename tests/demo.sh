@@ -33,7 +33,15 @@ case $mode in
 esac
 
 kubectl apply --server-side --force-conflicts -f "$root/crds/connectionfleet.yaml"
-kubectl wait --for=condition=Established --timeout=60s crd/connectionfleets.c10m.dev
+# Polled first: kubectl wait fails at once (".status.conditions accessor
+# error") on a CRD the API server has not yet given any condition. The wait
+# after it reports a CRD still not Established after 60 s.
+established='jsonpath={.status.conditions[?(@.type=="Established")].status}'
+for _ in $(seq 120); do
+  [ "$(kubectl get crd/connectionfleets.c10m.dev -o "$established")" = True ] && break
+  sleep 0.5
+done
+kubectl wait --for=condition=Established --timeout=1s crd/connectionfleets.c10m.dev
 
 mkdir -p "$C10M_STATE"
 stop_operator

@@ -73,8 +73,10 @@ impl Recorder {
     ///
     /// # Errors
     ///
-    /// The API server's refusal of the create or patch (the event is then
-    /// not remembered, and the next one is created again).
+    /// The API server's refusal of the create or patch. A refused create
+    /// is not remembered (the next publication creates again); a refused
+    /// series patch leaves the series as it was (the next one patches it
+    /// again), as kube-runtime's `Recorder` does.
     pub async fn publish(
         &self,
         ev: &Event,

@@ -328,24 +328,16 @@ pub fn ensure_crd() {
         // condition, that kubectl (1.32) fails at once (".status.conditions
         // accessor error: <nil> is of the type <nil>"), as `make test` saw
         // once on 2026-12-07.
+        // (A cluster-scoped object: `get_json`'s namespace is ignored.)
         wait_seeing(
             "CRD connectionfleets.c10m.dev Established",
             Duration::from_secs(60),
             || {
-                let out = kubectl_with(
-                    &[
-                        "get",
-                        "crd/connectionfleets.c10m.dev",
-                        "-o",
-                        "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
-                    ],
-                    None,
-                );
-                let seen = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-                match (out.status.success(), seen.as_str()) {
-                    (true, "True") => Ok(()),
-                    (true, _) => Err(format!("Established: {seen:?}")),
-                    (false, _) => Err(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+                let crd =
+                    get_json("default", "crd", "connectionfleets.c10m.dev").ok_or("no CRD")?;
+                match condition(&crd, "Established") {
+                    Some(c) if c["status"] == "True" => Ok(()),
+                    c => Err(format!("Established: {c:?}")),
                 }
             },
         );
