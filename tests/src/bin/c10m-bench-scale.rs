@@ -22,7 +22,9 @@
 //!    under way.)
 //! 4. **Re-plan**: `spec.connections` ×8 on `--replan` fleets at once;
 //!    p99 to their Deployments' first new `metadata.generation` on the
-//!    watch (the rollout gate's patches bump it again later), and on the
+//!    watch (the rollout gate's patches bump it again later), split into
+//!    the bench's own patch (`patchMs`) and the fleet's new generation on
+//!    the bench's watch to the Deployment's (`fleetToDeploymentMs`); on the
 //!    other fleets meanwhile the operator's writes (`writesToOthers`: fleet
 //!    events and new Deployment generations) and all watch events
 //!    (`watchEventsOnOthers`, the controller manager's status writes too).
@@ -272,6 +274,11 @@ fn proc_kib(path: &str, name: &str) -> Option<u64> {
 struct Seen {
     /// When the fleet was created (ramp) or patched (re-plan).
     applied: Option<Instant>,
+    /// When the re-plan's patch of the fleet returned.
+    patched: Option<Instant>,
+    /// The fleet's newest `metadata.generation` on the bench's watch, and
+    /// when it was first seen there.
+    fleet_generation: Option<(i64, Instant)>,
     /// First event of the fleet on the bench's watch (the burst's fleets
     /// are created by `kubectl`, so this is their apply as a watch sees it).
     fleet_seen: Option<Instant>,
@@ -362,10 +369,14 @@ fn watch_fleets(api: Api<DynamicObject>, book: Book) {
                 .into_iter()
                 .flatten()
                 .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            let generation = f.metadata.generation.unwrap_or(0);
             let mut book = book.lock().unwrap();
             let seen = book.entry(key).or_default();
             seen.fleet_seen.get_or_insert(now);
             seen.fleet_events += 1;
+            if seen.fleet_generation.is_none_or(|(g, _)| generation > g) {
+                seen.fleet_generation = Some((generation, now));
+            }
             if ready {
                 seen.ready.get_or_insert(now);
             }
@@ -858,12 +869,15 @@ impl Run<'_> {
             async move {
                 let patch = json!({"spec": {"connections": connections}});
                 book.lock().unwrap().entry(k.clone()).or_default().applied = Some(Instant::now());
-                api.patch(
-                    &k[k.find('/').unwrap() + 1..],
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
-                .await
+                let patched = api
+                    .patch(
+                        &k[k.find('/').unwrap() + 1..],
+                        &PatchParams::default(),
+                        &Patch::Merge(&patch),
+                    )
+                    .await;
+                book.lock().unwrap().entry(k).or_default().patched = Some(Instant::now());
+                patched
             }
         });
         for p in futures::future::join_all(patches).await {
@@ -889,19 +903,28 @@ impl Run<'_> {
         let book = self.book.lock().unwrap();
         // To the first generation past the one before the patch: later ones
         // (the rollout gate's patches) came after the re-plan had landed.
-        let took: Vec<f64> = generations
-            .iter()
-            .filter_map(|(k, g0)| {
-                let s = book.get(k)?;
-                let (_, seen) = s.generations.iter().find(|(g, _)| g > g0)?;
-                Some(ms(s.applied?, *seen))
-            })
-            .collect();
+        // Each one's time split where the bench sees it: its own patch's
+        // round trip, and from the fleet's new generation on the bench's
+        // watch to the Deployment's (the operator's reconcile, its
+        // requests and the watch's delivery).
+        let (mut took, mut patch, mut fleet_to_deployment) = (vec![], vec![], vec![]);
+        for (k, g0) in &generations {
+            let Some(s) = book.get(k) else { continue };
+            let Some((_, seen)) = s.generations.iter().find(|(g, _)| g > g0) else {
+                continue;
+            };
+            let Some(applied) = s.applied else { continue };
+            took.push(ms(applied, *seen));
+            patch.extend(s.patched.map(|p| ms(applied, p)));
+            fleet_to_deployment.extend(s.fleet_generation.map(|(_, f)| ms(f, *seen)));
+        }
         let others_after = others(&book, &chosen_keys);
         let p = percentiles(took);
         r.set(
             "replan",
             json!({"fleets": n, "p99Ms": p["p99"], "ms": p,
+                "patchMs": percentiles(patch),
+                "fleetToDeploymentMs": percentiles(fleet_to_deployment),
                 "writesToOthers": others_after.0 - others_before.0,
                 "watchEventsOnOthers": others_after.1 - others_before.1}),
         );
@@ -1316,6 +1339,11 @@ fn print_table(r: &Value) {
         &r["quietWindow"]["watchEventsOnOwnedKinds"],
     );
     row("re-plan p99 ms", &r["replan"]["p99Ms"]);
+    row("re-plan: the patch p99 ms", &r["replan"]["patchMs"]["p99"]);
+    row(
+        "re-plan: fleet seen -> Deployment p99 ms",
+        &r["replan"]["fleetToDeploymentMs"]["p99"],
+    );
     row(
         "re-plan writes to the others",
         &r["replan"]["writesToOthers"],
