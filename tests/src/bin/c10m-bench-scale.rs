@@ -23,9 +23,9 @@
 //! 4. **Re-plan**: `spec.connections` ×8 on `--replan` fleets at once;
 //!    p99 to their Deployments' first new `metadata.generation` on the
 //!    watch (the rollout gate's patches bump it again later), split into
-//!    the bench's own patch (`patchMs`) and the fleet's new generation on
-//!    the bench's watch to the Deployment's (`fleetToDeploymentMs`); on the
-//!    other fleets meanwhile the operator's writes (`writesToOthers`: fleet
+//!    the bench's own patch (`patchMs`), the patch sent to the fleet's new
+//!    generation on the bench's watch (`fleetSeenMs`), and from there to
+//!    the Deployment's (`fleetToDeploymentMs`); on the other fleets meanwhile the operator's writes (`writesToOthers`: fleet
 //!    events and new Deployment generations) and all watch events
 //!    (`watchEventsOnOthers`, the controller manager's status writes too).
 //! 5. **Metrics loop** (`--metrics-sync-seconds`): autoscaling turned on for
@@ -904,10 +904,12 @@ impl Run<'_> {
         // To the first generation past the one before the patch: later ones
         // (the rollout gate's patches) came after the re-plan had landed.
         // Each one's time split where the bench sees it: its own patch's
-        // round trip, and from the fleet's new generation on the bench's
-        // watch to the Deployment's (the operator's reconcile, its
-        // requests and the watch's delivery).
-        let (mut took, mut patch, mut fleet_to_deployment) = (vec![], vec![], vec![]);
+        // round trip; the patch sent to the fleet's new generation on the
+        // bench's watch (the API server's write and its watch's delivery);
+        // and from there to the Deployment's (the operator's reconcile,
+        // its requests and the watch's delivery).
+        let (mut took, mut patch, mut fleet_seen, mut fleet_to_deployment) =
+            (vec![], vec![], vec![], vec![]);
         for (k, g0) in &generations {
             let Some(s) = book.get(k) else { continue };
             let Some((_, seen)) = s.generations.iter().find(|(g, _)| g > g0) else {
@@ -916,6 +918,7 @@ impl Run<'_> {
             let Some(applied) = s.applied else { continue };
             took.push(ms(applied, *seen));
             patch.extend(s.patched.map(|p| ms(applied, p)));
+            fleet_seen.extend(s.fleet_generation.map(|(_, f)| ms(applied, f)));
             fleet_to_deployment.extend(s.fleet_generation.map(|(_, f)| ms(f, *seen)));
         }
         let others_after = others(&book, &chosen_keys);
@@ -924,6 +927,7 @@ impl Run<'_> {
             "replan",
             json!({"fleets": n, "p99Ms": p["p99"], "ms": p,
                 "patchMs": percentiles(patch),
+                "fleetSeenMs": percentiles(fleet_seen),
                 "fleetToDeploymentMs": percentiles(fleet_to_deployment),
                 "writesToOthers": others_after.0 - others_before.0,
                 "watchEventsOnOthers": others_after.1 - others_before.1}),
@@ -1340,6 +1344,10 @@ fn print_table(r: &Value) {
     );
     row("re-plan p99 ms", &r["replan"]["p99Ms"]);
     row("re-plan: the patch p99 ms", &r["replan"]["patchMs"]["p99"]);
+    row(
+        "re-plan: patch sent -> fleet seen p99 ms",
+        &r["replan"]["fleetSeenMs"]["p99"],
+    );
     row(
         "re-plan: fleet seen -> Deployment p99 ms",
         &r["replan"]["fleetToDeploymentMs"]["p99"],
