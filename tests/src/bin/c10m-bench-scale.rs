@@ -25,8 +25,9 @@
 //!    watch (the rollout gate's patches bump it again later), split into
 //!    the bench's own patch (`patchMs`), the patch sent to the fleet's new
 //!    generation on the bench's watch (`fleetSeenMs`), and from there to
-//!    the Deployment's (`fleetToDeploymentMs`); on the other fleets meanwhile the operator's writes (`writesToOthers`: fleet
-//!    events and new Deployment generations) and all watch events
+//!    the Deployment's (`fleetToDeploymentMs`); on the other fleets
+//!    meanwhile the operator's writes (`writesToOthers`: fleet events and
+//!    new Deployment generations) and all watch events
 //!    (`watchEventsOnOthers`, the controller manager's status writes too).
 //! 5. **Metrics loop** (`--metrics-sync-seconds`): autoscaling turned on for
 //!    every fleet, against a loopback stub of Prometheus's query API
@@ -918,8 +919,10 @@ impl Run<'_> {
             let Some(applied) = s.applied else { continue };
             took.push(ms(applied, *seen));
             patch.extend(s.patched.map(|p| ms(applied, p)));
-            fleet_seen.extend(s.fleet_generation.map(|(_, f)| ms(applied, f)));
-            fleet_to_deployment.extend(s.fleet_generation.map(|(_, f)| ms(f, *seen)));
+            if let Some((_, f)) = s.fleet_generation {
+                fleet_seen.push(ms(applied, f));
+                fleet_to_deployment.push(ms(f, *seen));
+            }
         }
         let others_after = others(&book, &chosen_keys);
         let p = percentiles(took);
